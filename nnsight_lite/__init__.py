@@ -1,0 +1,52 @@
+"""nnsight_lite: read and edit any PyTorch model's activations with ordinary Python.
+
+    NNsight        wrap a torch.nn.Module; ``with model.trace(x):`` runs a body interleaved
+    Envoy          the module proxy inside bodies: .output .input .inputs .next() .skip()
+    save(obj)      keep a non-tensor object after the trace (tensors have ``.save()``)
+    errors         the exception types (all derive from NNsightError)
+
+Example::
+
+    import torch
+    from nnsight_lite import NNsight
+
+    model = NNsight(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    with model.trace(torch.randn(1, 4)):
+        h = model[0].output.save()
+        model[0].output[:] = 0
+        out = model.output.save()
+"""
+
+from . import errors
+from .envoy import Envoy, save
+from .errors import (
+    BatchingError,
+    BodySyntaxError,
+    MissedModuleError,
+    ModulePathError,
+    NNsightError,
+    OutOfOrderError,
+    OutsideTraceError,
+    SourceUnavailableError,
+)
+from .model import NNsight
+from .tracing import Invoker, Tracer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NNsight",
+    "Envoy",
+    "Tracer",
+    "Invoker",
+    "save",
+    "errors",
+    "NNsightError",
+    "OutOfOrderError",
+    "MissedModuleError",
+    "ModulePathError",
+    "OutsideTraceError",
+    "SourceUnavailableError",
+    "BodySyntaxError",
+    "BatchingError",
+]

@@ -1,0 +1,162 @@
+"""Batch slicing: give each invoke its rows of a value, and put its edits back.
+
+    narrow(value, start, size, total)         each invoke's view of a (nested) value
+    merge(full, part, start, size, total)     the full value with one invoke's rows replaced
+    concat_inputs(invoke_inputs)              one batch from several invokes' (args, kwargs)
+
+A tensor is "batch-shaped" when its first dimension equals the trace's total batch size; only
+those are sliced. Views from ``narrow`` share storage with the full tensor, so in-place edits
+made by a body land in the batch without copying.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .errors import BatchingError
+
+
+def _is_batch_tensor(x, total: int) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == total
+
+
+def narrow(value: Any, start: int, size: int, total: int) -> Any:
+    """The rows ``start:start+size`` of every batch-shaped tensor inside ``value``."""
+    if isinstance(value, torch.Tensor):
+        return value.narrow(0, start, size) if _is_batch_tensor(value, total) else value
+    return _map(value, lambda t: narrow(t, start, size, total))
+
+
+def merge(full: Any, part: Any, start: int, size: int, total: int) -> Any:
+    """``full`` with rows ``start:start+size`` of its batch-shaped tensors taken from ``part``.
+
+    Built with ``torch.cat`` so autograd flows through both the kept and the replaced rows.
+    """
+    if isinstance(full, torch.Tensor):
+        if not _is_batch_tensor(full, total):
+            return part
+        if not isinstance(part, torch.Tensor):
+            part = torch.as_tensor(part, dtype=full.dtype, device=full.device)
+        part = part.to(dtype=full.dtype, device=full.device).expand(size, *full.shape[1:])
+        pieces = [full[:start], part, full[start + size:]]
+        return torch.cat([p for p in pieces if p.shape[0] > 0], 0)
+    if isinstance(full, (tuple, list)) and isinstance(part, (tuple, list)) and len(full) == len(part):
+        merged = [merge(f, p, start, size, total) for f, p in zip(full, part)]
+        return _rebuild_sequence(full, merged)
+    if isinstance(full, dict) and isinstance(part, dict):
+        out = _copy_mapping(full)
+        for k, p in part.items():
+            out[k] = merge(full[k], p, start, size, total) if k in full else p
+        return out
+    return part
+
+
+def _rebuild_sequence(like, items):
+    if isinstance(like, list):
+        return items
+    if hasattr(like, "_fields"):  # namedtuple
+        return type(like)(*items)
+    try:
+        return type(like)(items)
+    except TypeError:
+        return tuple(items)
+
+
+def _copy_mapping(d):
+    try:
+        out = d.__class__()
+        for k, v in d.items():
+            out[k] = v
+        return out
+    except TypeError:
+        return dict(d)
+
+
+def _map(value: Any, fn):
+    """Apply ``fn`` to the members of a container value, keeping its type."""
+    if isinstance(value, (tuple, list)):
+        return _rebuild_sequence(value, [fn(v) for v in value])
+    if isinstance(value, dict):
+        out = _copy_mapping(value)
+        for k in list(out.keys()):
+            out[k] = fn(value[k])
+        return out
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(
+            value, **{f.name: fn(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        )
+    return value
+
+
+def batch_size_of(args: tuple, kwargs: dict) -> int:
+    """The batch size of one invoke's inputs: the first dimension of its first tensor."""
+    for x in list(args) + list(kwargs.values()):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return x.shape[0]
+    return 1
+
+
+def concat_inputs(inputs: list[tuple[tuple, dict]]) -> tuple[tuple, dict, list[int]]:
+    """Concatenate several invokes' ``(args, kwargs)`` along dim 0.
+
+    Tensors are concatenated; any other value must be equal in every invoke. Returns the batched
+    args, kwargs, and each invoke's batch size. Raises ``BatchingError`` naming the invokes
+    and shapes when they cannot be combined.
+    """
+    sizes = [batch_size_of(a, k) for a, k in inputs]
+    if len(inputs) == 1:
+        return inputs[0][0], inputs[0][1], sizes
+    n_args = {len(a) for a, _ in inputs}
+    if len(n_args) != 1:
+        raise BatchingError(
+            "invokes pass different numbers of positional inputs: "
+            + ", ".join(f"invoke {i}: {len(a)}" for i, (a, _) in enumerate(inputs))
+            + "; give every invoke the same kind of input"
+        )
+    keys = [tuple(sorted(k)) for _, k in inputs]
+    if len(set(keys)) != 1:
+        raise BatchingError(
+            "invokes pass different keyword inputs: "
+            + ", ".join(f"invoke {i}: {list(k)}" for i, k in enumerate(keys))
+        )
+    args = tuple(
+        _concat_one([a[j] for a, _ in inputs], f"positional input {j}") for j in range(n_args.pop())
+    )
+    kwargs = {k: _concat_one([kw[k] for _, kw in inputs], f"keyword input {k!r}") for k in keys[0]}
+    return args, kwargs, sizes
+
+
+def _concat_one(values: list, what: str):
+    if all(isinstance(v, torch.Tensor) for v in values):
+        shapes = [tuple(v.shape) for v in values]
+        dtypes = [v.dtype for v in values]
+        if any(v.dim() == 0 for v in values) or len({s[1:] for s in shapes}) != 1:
+            raise BatchingError(
+                f"cannot batch {what} of the invokes along dim 0: shapes "
+                + ", ".join(f"invoke {i}: {s}" for i, s in enumerate(shapes))
+                + " must agree in every dimension but the first"
+            )
+        if len(set(dtypes)) != 1:
+            raise BatchingError(
+                f"cannot batch {what} of the invokes: dtypes "
+                + ", ".join(f"invoke {i}: {d}" for i, d in enumerate(dtypes))
+                + " differ; convert them to one dtype"
+            )
+        return torch.cat(values, 0)
+    first = values[0]
+    for i, v in enumerate(values[1:], 1):
+        same = v is first
+        if not same:
+            try:
+                same = bool(v == first)
+            except Exception:
+                same = False
+        if not same:
+            raise BatchingError(
+                f"{what} is not a tensor and differs between invoke 0 ({first!r}) and invoke {i} "
+                f"({v!r}); a non-batched input must be the same in every invoke"
+            )
+    return first

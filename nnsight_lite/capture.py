@@ -1,0 +1,268 @@
+"""Turn the body of a ``with`` statement into code that runs later, and write results back.
+
+    find_body(frame)      the compiled body of the with-statement the frame is entering (cached)
+    skip_body(frame)      arrange for the frame to jump over that body (returns a restore token)
+    restore_tracing(tok)  undo skip_body's tracing changes
+    Scope                 the namespace a body runs in: its own names, falling back to the caller's
+    write_back(frame, d)  put saved names back into the caller's scope
+
+How the body is skipped: ``__enter__`` sets a line-trace function on the caller's frame that
+raises ``SkipBody`` on the first line of the body; the context manager's ``__exit__`` receives it,
+runs the compiled body in its place and suppresses it. Any tracer that was active before
+(a debugger, coverage) is put back in ``__exit__``.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import ctypes
+import linecache
+import sys
+from collections import OrderedDict
+from types import CodeType, FrameType
+
+from .errors import BodySyntaxError, SourceUnavailableError
+
+_CACHE_SIZE = 1024
+_PY313 = sys.version_info >= (3, 13)
+_CO_OPTIMIZED = 0x0001
+
+#: Name under which compiled bodies find the exception that ends an open-ended ``tracer.iter``.
+ITER_END_NAME = "__nnsight_lite_iter_end__"
+
+
+class SkipBody(Exception):
+    """Raised by the line tracer on the first line of a captured body; never reaches users."""
+
+
+class IterationEnd(Exception):
+    """Thrown into a body waiting inside ``tracer.iter``/``tracer.all()`` when the model is done."""
+
+
+class Body:
+    """A compiled with-block body and where it came from."""
+
+    __slots__ = ("code", "filename", "lineno", "end_lineno")
+
+    def __init__(self, code: CodeType, filename: str, lineno: int, end_lineno: int):
+        self.code = code
+        self.filename = filename
+        self.lineno = lineno
+        self.end_lineno = end_lineno
+
+
+_bodies: OrderedDict = OrderedDict()
+
+
+def find_body(frame: FrameType, what: str = "trace") -> Body:
+    """Return the compiled body of the ``with`` statement ``frame`` is executing now."""
+    code = frame.f_code
+    key = (code, frame.f_lasti)
+    body = _bodies.get(key)
+    if body is not None:
+        return body
+    body = _compile_body(frame, what)
+    _bodies[key] = body
+    if len(_bodies) > _CACHE_SIZE:
+        _bodies.popitem(last=False)
+    return body
+
+
+def _compile_body(frame: FrameType, what: str) -> Body:
+    filename = frame.f_code.co_filename
+    lineno = frame.f_lineno
+    lines = linecache.getlines(filename, frame.f_globals)
+    if not lines:
+        raise SourceUnavailableError(
+            f"cannot run this `with ...{what}(...)` block: there is no source for {filename!r} "
+            f"(line {lineno}). nnsight_lite reads the block's source to run it interleaved with "
+            "the model, and code typed into a bare Python REPL, piped through stdin or passed "
+            "to exec() as a plain string leaves none. Put the code in a file, a Jupyter/IPython "
+            "cell, or compile it with a filename registered in linecache."
+        )
+    source = "".join(lines)
+    try:
+        tree = ast.parse(source, filename)
+    except SyntaxError as exc:  # e.g. a linecache entry that is not the running code
+        raise SourceUnavailableError(
+            f"the source found for {filename!r} does not parse ({exc.msg}, line {exc.lineno}); "
+            "it is probably not the code that is running. Re-run the cell or reload the module."
+        ) from None
+    node = _with_at(tree, lineno)
+    if node is None:
+        raise SourceUnavailableError(
+            f"no `with` statement found at {filename}:{lineno}; the source on disk may have "
+            "changed since the code was loaded. Reload the module or re-run the cell."
+        )
+    if node.body[0].lineno == node.lineno:
+        raise BodySyntaxError(
+            f"the body of the `with ...{what}(...)` block at {filename}:{lineno} starts on the "
+            "`with` line itself; put it on its own indented lines",
+            (filename, lineno, 1, lines[lineno - 1] if lineno <= len(lines) else ""),
+        )
+    stmts = [_IterLoopGuard().visit(stmt) for stmt in node.body]
+    module = ast.Module(body=stmts, type_ignores=[])
+    ast.fix_missing_locations(module)
+    try:
+        code = compile(module, filename, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise _body_syntax_error(exc, what, filename, lineno) from None
+    return Body(code, filename, node.lineno, node.end_lineno or node.lineno)
+
+
+def _with_at(tree: ast.AST, lineno: int):
+    """The innermost ``with`` statement whose header spans ``lineno``."""
+    best = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With) and node.lineno <= lineno:
+            header_end = max(node.lineno, node.body[0].lineno - 1)
+            if lineno <= header_end and (best is None or node.lineno >= best.lineno):
+                best = node
+    return best
+
+
+def _body_syntax_error(exc: SyntaxError, what: str, filename: str, lineno: int):
+    msg = exc.msg or ""
+    if "return" in msg or "yield" in msg or "await" in msg:
+        stmt = "return" if "return" in msg else ("yield" if "yield" in msg else "await")
+        hint = (
+            f"`{stmt}` cannot appear in a `with ...{what}(...)` body, which runs as its own block "
+            "of code: save the values you need with .save() and return after the block "
+            "(use tracer.stop() to end the model's forward early)"
+        )
+    elif "loop" in msg:
+        hint = (
+            f"`break`/`continue` cannot cross a `with ...{what}(...)` body; finish the block "
+            "and break after it"
+        )
+    else:
+        hint = f"the body of the `with ...{what}(...)` block does not compile: {msg}"
+    err = BodySyntaxError(
+        f"{hint} ({filename}, line {exc.lineno}; the block starts at line {lineno})",
+        (filename, exc.lineno, exc.offset, exc.text),
+    )
+    return err
+
+
+class _IterLoopGuard(ast.NodeTransformer):
+    """Wrap ``for ... in tracer.iter[...]`` / ``tracer.all()`` loops so the end of the model's
+    calls ends the loop cleanly and the code after it still runs."""
+
+    def visit_For(self, node: ast.For):
+        self.generic_visit(node)
+        it = node.iter
+        is_iter = (isinstance(it, ast.Subscript) and isinstance(it.value, ast.Attribute)
+                   and it.value.attr == "iter")
+        is_all = (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute)
+                  and it.func.attr == "all")
+        if not (is_iter or is_all):
+            return node
+        handler = ast.ExceptHandler(
+            type=ast.Name(id=ITER_END_NAME, ctx=ast.Load()), name=None, body=[ast.Pass()]
+        )
+        guard = ast.Try(body=[node], handlers=[handler], orelse=[], finalbody=[])
+        return ast.copy_location(guard, node)
+
+    # Loops inside functions defined in the body are left alone: they run whenever called.
+    def visit_FunctionDef(self, node):
+        return node
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+    visit_Lambda = visit_FunctionDef
+
+
+# --------------------------------------------------------------------------- skipping the body
+
+
+def _no_global_trace(frame, event, arg):
+    return None
+
+
+def _raise_skip(frame, event, arg):
+    if event == "line":
+        raise SkipBody
+    return _raise_skip
+
+
+def skip_body(frame: FrameType):
+    """Make ``frame`` raise ``SkipBody`` on its next line. Returns what ``restore_tracing`` needs."""
+    token = (sys.gettrace(), frame, frame.f_trace)
+    frame.f_trace = _raise_skip
+    sys.settrace(token[0] or _no_global_trace)
+    return token
+
+
+def restore_tracing(token) -> None:
+    prev_global, frame, prev_local = token
+    sys.settrace(prev_global)
+    frame.f_trace = prev_local
+
+
+# --------------------------------------------------------------------------- namespaces
+
+
+class Scope(dict):
+    """The namespace a body runs in.
+
+    The body's own assignments live in this dict; names it does not define are looked up, at
+    the moment they are read, in the caller's locals, then its globals, then builtins. All
+    invokes of one trace share one Scope, so a later invoke sees what an earlier one bound.
+    """
+
+    __slots__ = ("_locals", "_globals", "_builtins")
+
+    def __init__(self, caller_locals, caller_globals):
+        super().__init__()
+        self._locals = caller_locals
+        self._globals = caller_globals
+        b = caller_globals.get("__builtins__", builtins)
+        self._builtins = b if isinstance(b, dict) else vars(b)
+        dict.__setitem__(self, "__builtins__", b)
+        dict.__setitem__(self, ITER_END_NAME, IterationEnd)
+
+    def __missing__(self, name):
+        try:
+            return self._locals[name]
+        except KeyError:
+            pass
+        if self._globals is not self._locals:
+            try:
+                return self._globals[name]
+            except KeyError:
+                pass
+        return self._builtins[name]
+
+    def own_items(self):
+        """The names the body itself bound (not the two internal entries)."""
+        for k, v in dict.items(self):
+            if k != "__builtins__" and k != ITER_END_NAME:
+                yield k, v
+
+
+def caller_scope(frame: FrameType) -> Scope:
+    """A fresh Scope for a body whose ``with`` statement sits in ``frame``."""
+    return Scope(frame.f_locals, frame.f_globals)
+
+
+_locals_to_fast = None
+if not _PY313:  # pragma: no cover - exercised on 3.10-3.12
+    _locals_to_fast = ctypes.pythonapi.PyFrame_LocalsToFast
+    _locals_to_fast.argtypes = (ctypes.py_object, ctypes.c_int)
+    _locals_to_fast.restype = None
+
+
+def write_back(frame: FrameType, values: dict) -> None:
+    """Bind ``values`` in the scope of ``frame`` (module, class body, function, or a Scope)."""
+    if not values:
+        return
+    f_locals = frame.f_locals
+    if isinstance(f_locals, Scope) or not (frame.f_code.co_flags & _CO_OPTIMIZED):
+        f_locals.update(values)
+        return
+    if _PY313:  # PEP 667: f_locals is a write-through proxy
+        for name, value in values.items():
+            f_locals[name] = value
+        return
+    f_locals.update(values)
+    _locals_to_fast(frame, 0)

@@ -1,0 +1,224 @@
+"""The module tree users touch inside trace bodies.
+
+    Envoy       a proxy for one module: .output .input .inputs .next() .skip(), children,
+                indexing, iteration and every other attribute of the module itself
+    save(obj)   keep ``obj`` after the trace (``tensor.save()`` does the same for tensors)
+
+An Envoy holds no state of a trace: reading ``.output`` asks the body's Mediator (found from
+the running greenlet) for the value, which waits until the model produces it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+
+import torch
+
+from .errors import ModulePathError
+from .interleaver import INPUT, OUTPUT, current_mediator, user_location
+
+_local = threading.local()
+
+
+def _saved_stack() -> list:
+    stack = getattr(_local, "saved", None)
+    if stack is None:
+        stack = _local.saved = []
+    return stack
+
+
+def save(obj):
+    """Keep ``obj`` after the trace: its name in the body is bound in the caller's scope.
+
+    Example::
+
+        with model.trace(x):
+            shapes = nnsight_lite.save([])
+            shapes.append(model.layer1.output.shape)
+        print(shapes)
+
+    Outside a trace it does nothing and returns ``obj``.
+    """
+    stack = _saved_stack()
+    if stack:
+        stack[-1][id(obj)] = obj
+    return obj
+
+
+def _tensor_save(self):
+    """Keep this tensor after the trace (``h = model.layer.output.save()``). Returns ``self``."""
+    return save(self)
+
+
+torch.Tensor.save = _tensor_save
+
+
+class Envoy:
+    """A module as seen from a trace body.
+
+    Example::
+
+        model = NNsight(net)
+        with model.trace(x):
+            h = model.layer1.output.save()      # read
+            model.layer1.output[:, 0] = 0       # edit in place
+            model.layer2.output = model.layer2.output * 2   # replace
+
+    Attribute access returns child Envoys for submodules and the module's own attribute for
+    everything else; ``envoy[i]``, ``len(envoy)`` and iteration work for ModuleList/Sequential.
+    Calling an Envoy calls the module (inside a body, this extra call is not traced).
+    """
+
+    _OWN = frozenset({"output", "input", "inputs"})
+
+    def __init__(self, module: torch.nn.Module, path: str = "model", root: "Envoy | None" = None):
+        d = self.__dict__
+        d["_module"] = module
+        d["_path"] = path
+        d["_root"] = root if root is not None else self
+        d["_items"] = {}
+
+    # ---- values
+
+    @property
+    def output(self):
+        """The module's output at the current call (waits for it inside a body)."""
+        return current_mediator(self, "output").get(self, OUTPUT)
+
+    @output.setter
+    def output(self, value):
+        current_mediator(self, "output").set(self, OUTPUT, value)
+
+    @property
+    def inputs(self):
+        """``(args, kwargs)`` the module is called with, at the current call."""
+        return current_mediator(self, "inputs").get(self, INPUT)
+
+    @inputs.setter
+    def inputs(self, value):
+        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict)):
+            raise TypeError(
+                f"{self._path}.inputs must be set to an (args, kwargs) pair, got "
+                f"{type(value).__name__}; to replace the first argument set .input instead"
+            )
+        current_mediator(self, "inputs").set(self, INPUT, (tuple(value[0]), value[1]))
+
+    @property
+    def input(self):
+        """The first argument the module is called with (first keyword value if none)."""
+        args, kwargs = current_mediator(self, "input").get(self, INPUT)
+        if args:
+            return args[0]
+        if kwargs:
+            return next(iter(kwargs.values()))
+        return None
+
+    @input.setter
+    def input(self, value):
+        med = current_mediator(self, "input")
+        args, kwargs = med.get(self, INPUT)
+        if args:
+            med.set(self, INPUT, ((value,) + tuple(args[1:]), kwargs))
+        elif kwargs:
+            kwargs = dict(kwargs)
+            kwargs[next(iter(kwargs))] = value
+            med.set(self, INPUT, ((), kwargs))
+        else:
+            med.set(self, INPUT, ((value,), kwargs))
+
+    def next(self, step: int = 1) -> "Envoy":
+        """Address this module's next call (reused modules, generation steps). Returns self."""
+        med = current_mediator(self, "next()")
+        slot = med.interleaver.slot_of(self)
+        med.offsets[slot] = med.offsets.get(slot, 0) + step
+        return self
+
+    def skip(self, value) -> None:
+        """Do not run this module at its current call; use ``value`` as its output."""
+        med = current_mediator(self, "skip()")
+        med.get(self, INPUT)
+        med.skip_value = value
+
+    # ---- the module tree
+
+    def __getattr__(self, name: str):
+        d = self.__dict__
+        if "_module" not in d:
+            raise AttributeError(name)
+        module = d["_module"]
+        sub = module._modules.get(name) if name in module._modules else None
+        if sub is not None:
+            env = Envoy(sub, f"{d['_path']}.{name}", d["_root"])
+            d[name] = env
+            return env
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            if name.startswith("__"):
+                raise
+            raise self._no_such(name) from None
+
+    def _no_such(self, name: str) -> ModulePathError:
+        children = list(self._module._modules)
+        attrs = [a for a in dir(self._module) if not a.startswith("_")]
+        near = difflib.get_close_matches(name, children + attrs, n=3, cutoff=0.6)
+        hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+        kids = ", ".join(children[:12]) + (", ..." if len(children) > 12 else "")
+        return ModulePathError(
+            f"{self._path} ({type(self._module).__name__}) has no submodule or attribute "
+            f"{name!r} (at {user_location()}).{hint} Its submodules are: {kids or 'none'}."
+        )
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in Envoy._OWN or name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        setattr(self._module, name, value)
+        self.__dict__.pop(name, None)
+
+    def __getitem__(self, key):
+        items = self._items
+        env = items.get(key) if not isinstance(key, slice) else None
+        if env is not None and env._module is self._module[key]:
+            return env
+        try:
+            sub = self._module[key]
+        except (IndexError, KeyError, TypeError) as exc:
+            raise type(exc)(
+                f"{self._path}[{key!r}]: {exc} ({type(self._module).__name__} of "
+                f"length {len(self._module)})"
+            ) from None
+        if isinstance(key, slice):
+            return [self[i] for i in range(len(self._module))[key]]
+        if not isinstance(sub, torch.nn.Module):
+            return sub
+        env = Envoy(sub, f"{self._path}[{key!r}]", self._root)
+        items[key] = env
+        return env
+
+    def __iter__(self):
+        module = self._module
+        if isinstance(module, torch.nn.ModuleDict):
+            return iter(module.keys())
+        return (self[i] for i in range(len(module)))
+
+    def __len__(self) -> int:
+        return len(self._module)
+
+    def __call__(self, *args, **kwargs):
+        return self._module(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return repr(self._module)
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(self._module._modules) | set(dir(self._module)))
+
+    # pickling/copying an Envoy copies the wrapper around the same module reference
+    def __getstate__(self):
+        return dict(self.__dict__)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+

@@ -1,0 +1,63 @@
+"""Exceptions raised by nnsight_lite, and how they reach the user.
+
+Every exception the library raises on purpose derives from :class:`NNsightError` and also from
+the builtin it resembles, so ``except LookupError`` keeps working for code that does not know
+about us.
+
+Error flow: a mistake made inside a trace body (reading a module out of order, a module that
+never runs) is raised *inside the body's greenlet*, at the line that asked, so the traceback
+points at the user's own code. Exceptions the user's code raises are never wrapped: they reach
+the caller unchanged, after the trace has removed its hooks and finished every body.
+
+    NNsightError
+    ├── OutOfOrderError        (RuntimeError)   a value requested after its module already ran
+    ├── MissedModuleError      (RuntimeError)   a requested module never ran (or ran fewer times)
+    ├── ModulePathError        (AttributeError) no such submodule or attribute; lists near matches
+    ├── OutsideTraceError      (RuntimeError)   .output / .input read where no trace is running
+    ├── SourceUnavailableError (RuntimeError)   the with-block's source cannot be found
+    ├── BodySyntaxError        (SyntaxError)    return / yield / break at the top of a body
+    ├── BatchingError          (ValueError)     invoke inputs that cannot form one batch
+    └── InferenceModeSwitchError (RuntimeError) waiting for a value inside torch.inference_mode()
+"""
+
+from __future__ import annotations
+
+
+class NNsightError(Exception):
+    """Root of every exception nnsight_lite raises on purpose."""
+
+
+class OutOfOrderError(NNsightError, RuntimeError):
+    """A body asked for a module value whose moment has already passed in this forward."""
+
+
+class MissedModuleError(NNsightError, RuntimeError):
+    """A body waited for a module call that did not happen before the forward ended."""
+
+
+class ModulePathError(NNsightError, AttributeError):
+    """An attribute or submodule name that the wrapped module does not have."""
+
+
+class OutsideTraceError(NNsightError, RuntimeError):
+    """A module value (``.output``, ``.input``, ...) was read where no trace body is running."""
+
+
+class SourceUnavailableError(NNsightError, RuntimeError):
+    """The source of a ``with model.trace(...)`` block cannot be found, so it cannot be run."""
+
+
+class BodySyntaxError(NNsightError, SyntaxError):
+    """A statement that cannot live at the top level of a trace body (``return``, ``yield``)."""
+
+
+class BatchingError(NNsightError, ValueError):
+    """The inputs of several invokes cannot be combined into one batch."""
+
+
+class InferenceModeSwitchError(NNsightError, RuntimeError):
+    """A body waited for a module value while inside its own ``torch.inference_mode()`` block."""
+
+
+class GradientError(NNsightError, RuntimeError):
+    """A gradient was asked for where none can exist (no grad, not in graph, wrong context)."""

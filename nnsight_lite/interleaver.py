@@ -1,0 +1,463 @@
+"""The runtime: bodies as greenlets, fed real values by the model's own forward.
+
+    Interleaver    one per trace: counts module calls, hands values to waiting bodies
+    Mediator       one per invoke: its greenlet, its batch rows, its pending request
+    current_mediator()   the Mediator whose body is running now (or an OutsideTraceError)
+    StopTrace      raised by ``tracer.stop()``; ends the forward, not an error
+
+How a value reaches a body: the body asks for ``(slot, kind, call)`` and switches to the parent
+greenlet, which runs the model. Every module of the traced model has its ``forward`` replaced
+for the duration of the trace by a thin counting wrapper (an instance attribute, removed in
+``finally``); it costs one Python call per module call and is what makes call indices exact,
+so a module that already ran is always recognised. When a wrapper reaches a call somebody is
+waiting for, it switches into each waiting body in invoke order, with that body's rows; the
+body reads or edits the value, then switches back with its next request. Calls that nobody
+waits for pass straight through.
+
+Thread-local torch state (grad mode, autocast) is not carried by greenlets: every switch saves
+the body's state and restores the parent's, so a body waiting inside ``torch.no_grad()`` does
+not run the rest of the model without grad.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import sys
+from bisect import insort
+
+import greenlet
+import torch
+
+from . import batching
+from .capture import IterationEnd
+from .errors import (
+    InferenceModeSwitchError,
+    MissedModuleError,
+    OutOfOrderError,
+    OutsideTraceError,
+)
+
+OUTPUT = "output"
+INPUT = "input"
+_DONE = object()
+_MISSING = object()
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+_getcurrent = greenlet.getcurrent
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+_is_inference = torch.is_inference_mode_enabled
+_is_autocast = torch.is_autocast_enabled
+_set_autocast = torch.set_autocast_enabled
+
+
+class StopTrace(BaseException):
+    """Raised by ``tracer.stop()`` to end the forward early. Not an error; never escapes a trace.
+
+    It derives from BaseException so that a model's own ``except Exception`` does not swallow it.
+    """
+
+
+class BodyGreenlet(greenlet.greenlet):
+    """A greenlet that runs one invoke body. ``mediator`` links it to its runtime state."""
+
+    mediator: "Mediator | None" = None
+
+
+# --------------------------------------------------------------------------- thread-local state
+
+
+def tls_state():
+    return (_is_grad_enabled(), _is_inference(), _is_autocast("cpu"), _is_autocast("cuda"))
+
+
+def set_tls_state(state, now) -> None:
+    """Switch grad mode and autocast from ``now`` to ``state`` (inference mode cannot be set)."""
+    if state[0] != now[0]:
+        _set_grad_enabled(state[0])
+    if state[2] != now[2]:
+        _set_autocast("cpu", state[2])
+    if state[3] != now[3]:
+        _set_autocast("cuda", state[3])
+
+
+# --------------------------------------------------------------------------- locating user code
+
+
+def user_location(frame=None) -> str:
+    """``file:line`` of the innermost frame outside nnsight_lite (the user's line)."""
+    f = frame if frame is not None else sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not os.path.abspath(fn).startswith(_PACKAGE_DIR) and "greenlet" not in fn:
+            return f"{fn}:{f.f_lineno}"
+        f = f.f_back
+    return "<unknown>"
+
+
+def current_mediator(envoy=None, what: str = "output") -> "Mediator":
+    """The Mediator of the body running now; raise OutsideTraceError where there is none."""
+    med = getattr(_getcurrent(), "mediator", None)
+    if med is None:
+        where = envoy._path if envoy is not None else "a module"
+        raise OutsideTraceError(
+            f"{where}.{what} was read outside a trace body (at {user_location()}). Module values "
+            "exist only while the model runs: read them inside `with model.trace(...):` (or a "
+            "`with tracer.invoke(...):` block) and call .save() on what you want to keep."
+        )
+    return med
+
+
+# --------------------------------------------------------------------------- per-module state
+
+
+class Slot:
+    """Per-trace state of one module: its call counters and the bodies waiting on it."""
+
+    __slots__ = ("module", "name", "calls", "outs", "wait_in", "wait_out", "prev_forward")
+
+    def __init__(self, module, name):
+        self.module = module
+        self.name = name
+        self.calls = 0  # calls whose input stage has begun
+        self.outs = 0  # calls that have produced their output
+        self.wait_in = {}
+        self.wait_out = {}
+        self.prev_forward = _MISSING
+
+    def label(self) -> str:
+        return "model" + ("." + self.name if self.name else "")
+
+
+# --------------------------------------------------------------------------- mediators
+
+
+class Mediator:
+    """Runtime state of one invoke: its body greenlet, its batch rows and what it waits for."""
+
+    def __init__(self, interleaver: "Interleaver", index: int, run, batch=None, scope=None):
+        self.interleaver = interleaver
+        self.index = index
+        self.batch = batch  # (start, size) or None for the whole batch
+        self.scope = scope
+        self.run_fn = run
+        self.greenlet = None
+        self.parent = None
+        self.done = False
+        self.pending = None  # (slot, kind, call) this body waits for
+        self.pending_envoy = None
+        self.cur_key = None
+        self.cur_value = None
+        self.replaced = False
+        self.skip_value = _MISSING
+        self.tls = None
+        self.iteration = 0
+        self.iter_depth = 0
+        self.offsets = {}
+
+    # ---- parent side
+
+    def start(self) -> None:
+        parent = _getcurrent()
+        g = BodyGreenlet(self._main, parent)
+        g.mediator = self
+        g.gr_context = contextvars.copy_context()
+        self.greenlet = g
+        self.parent = parent
+        self.interleaver.register(self, self.resume(None))
+
+    def _main(self, _):
+        self.run_fn()
+        return _DONE
+
+    def resume(self, value, throw: BaseException | None = None):
+        """Switch into the body (sending ``value`` or throwing ``throw``); return its request."""
+        parent_state = tls_state()
+        if self.tls is not None and self.tls != parent_state:
+            set_tls_state(self.tls, parent_state)
+        try:
+            if throw is None:
+                req = self.greenlet.switch(value)
+            else:
+                req = self.greenlet.throw(throw)
+        except BaseException:
+            self.done = True
+            self.pending = None
+            now = tls_state()
+            if now != parent_state:
+                set_tls_state(parent_state, now)
+            raise
+        now = tls_state()
+        self.tls = now
+        if now != parent_state:
+            set_tls_state(parent_state, now)
+            if now[1] != parent_state[1]:
+                return self.resume(None, InferenceModeSwitchError(
+                    f"invoke {self.index} waited for a module value inside its own "
+                    "torch.inference_mode() block; the model's forward cannot switch inference "
+                    "mode for it. Put the whole trace inside `with torch.inference_mode():` "
+                    "instead, or use torch.no_grad() in the body."
+                ))
+        return req
+
+    def serve(self, key, full):
+        """Give the body its view of ``full`` at ``key``; return ``full`` with its edits applied."""
+        b = self.batch
+        total = self.interleaver.total
+        view = full if b is None else batching.narrow(full, b[0], b[1], total)
+        self.cur_key = key
+        self.cur_value = view
+        self.replaced = False
+        try:
+            req = self.resume(view)
+        finally:
+            self.cur_key = None
+        if self.replaced:
+            new = self.cur_value
+            full = new if b is None else batching.merge(full, new, b[0], b[1], total)
+        self.cur_value = None
+        self.interleaver.register(self, req)
+        return full
+
+    # ---- body side
+
+    def call_index(self, slot) -> int:
+        base = self.iteration if self.iter_depth else 0
+        return base + self.offsets.get(slot, 0)
+
+    def key_for(self, envoy, kind):
+        slot = self.interleaver.slot_of(envoy)
+        return (slot, kind, self.call_index(slot))
+
+    def get(self, envoy, kind):
+        """The value of ``envoy``'s ``kind`` at this body's current call; waits for it."""
+        key = self.key_for(envoy, kind)
+        cur = self.cur_key
+        if cur is not None and cur[0] is key[0] and cur[1] is kind and cur[2] == key[2]:
+            return self.cur_value
+        slot, _, call = key
+        passed = (slot.outs if kind is OUTPUT else slot.calls) > call
+        if passed or self.interleaver.finished:
+            raise self._late_error(envoy, key)
+        self.pending_envoy = envoy
+        return self.parent.switch(key)
+
+    def set(self, envoy, kind, value) -> None:
+        """Replace ``envoy``'s ``kind`` at this body's current call with ``value``."""
+        self.get(envoy, kind)
+        self.cur_value = value
+        self.replaced = True
+
+    def _late_error(self, envoy, key):
+        slot, kind, call = key
+        where = user_location()
+        what = f"{envoy._path}.{kind}" + (f" (call {call})" if call else "")
+        if self.interleaver.finished:
+            return MissedModuleError(
+                f"invoke {self.index} asked for {what} at {where}, after the model's forward "
+                "had already finished. Read module values while the model runs, before the end "
+                "of the body's last model access."
+            )
+        pos = self.interleaver.position
+        now = f" (the forward is now at {pos[0].label()}.{pos[1]}" + (
+            f", call {pos[2]})" if pos[2] else ")") if pos else ""
+        return OutOfOrderError(
+            f"invoke {self.index} asked for {what} at {where}, but {envoy._path} has already "
+            f"run that call{now}. A body must read module values in the order the model "
+            "computes them: move this line above the access to the later module, or read it "
+            "in a separate trace."
+        )
+
+    def missed_error(self):
+        slot, kind, call = self.pending
+        envoy = self.pending_envoy
+        path = envoy._path if envoy is not None else slot.label()
+        where = "<unknown>"
+        if self.greenlet is not None and self.greenlet.gr_frame is not None:
+            where = user_location(self.greenlet.gr_frame)
+        what = f"{path}.{kind}" + (f" (call {call})" if call else "")
+        if self.interleaver.stopped_early:
+            reason = "the forward was stopped (tracer.stop() or an error) before it ran"
+        elif slot.calls == 0:
+            reason = (
+                f"{path} never ran in this forward: the model's forward does not call it "
+                "(it may be defined but unused, or called on another path). Check print(model) "
+                "for the module that computes the value you want"
+            )
+        else:
+            reason = (
+                f"{path} ran only {slot.calls} time(s) in this forward, so call {call} never "
+                "happened (check .next() and tracer.iter indices)"
+            )
+        return MissedModuleError(f"invoke {self.index} waited for {what} at {where}, but {reason}.")
+
+
+# --------------------------------------------------------------------------- the interleaver
+
+
+class Interleaver:
+    """Runs one forward with its invoke bodies interleaved. One instance per trace."""
+
+    def __init__(self, root: torch.nn.Module, total: int = 1):
+        self.root = root
+        self.total = total
+        self.mediators: list[Mediator] = []
+        self.slots: dict[int, Slot] = {}
+        self.runner = None
+        self.position = None
+        self.finished = False
+        self.stopped_early = False
+
+    def add(self, run, batch=None, scope=None) -> Mediator:
+        med = Mediator(self, len(self.mediators), run, batch, scope)
+        self.mediators.append(med)
+        return med
+
+    def slot_of(self, envoy) -> Slot:
+        slot = self.slots.get(id(envoy._module))
+        if slot is None:
+            raise OutsideTraceError(
+                f"{envoy._path} is not part of the model being traced here (at "
+                f"{user_location()}); each model's values can only be read inside its own "
+                "trace. Open a trace on that model (they can be nested)."
+            )
+        return slot
+
+    # ---- running
+
+    def run(self, forward):
+        """Install wrappers, start the bodies, run ``forward()``, finish the bodies; clean up."""
+        saved = tls_state()
+        self.runner = _getcurrent()
+        try:
+            self._install()
+            try:
+                for med in self.mediators:
+                    med.start()
+                output = forward()
+            except StopTrace:
+                self.stopped_early = True
+                output = None
+            self.finished = True
+            if not self.stopped_early:
+                self._finish()
+            return output
+        finally:
+            self.finished = True
+            self._uninstall()
+            self._kill_all()
+            now = tls_state()
+            if now != saved:
+                set_tls_state(saved, now)
+
+    def _finish(self) -> None:
+        """The forward is over: every body still waiting gets an error (or ends its iter loop)."""
+        for med in self.mediators:
+            while not med.done and med.pending is not None:
+                slot, kind, call = med.pending
+                if med.iter_depth and call > 0 and slot.calls > 0:
+                    exc = IterationEnd()
+                else:
+                    exc = med.missed_error()
+                self.register(med, med.resume(None, exc))
+
+    def _kill_all(self) -> None:
+        for med in self.mediators:
+            g = med.greenlet
+            for _ in range(3):
+                if g is None or g.dead:
+                    break
+                try:
+                    g.throw(greenlet.GreenletExit)
+                except BaseException:  # a body's cleanup failing must not mask the real outcome
+                    pass
+            med.done = True
+            med.scope = None
+
+    def register(self, med: Mediator, req) -> None:
+        if req is _DONE or med.greenlet.dead:
+            med.done = True
+            med.pending = None
+            return
+        med.pending = req
+        slot, kind, call = req
+        table = slot.wait_out if kind is OUTPUT else slot.wait_in
+        waiting = table.get(call)
+        if waiting is None:
+            table[call] = [med]
+        else:
+            insort(waiting, med, key=_med_index)
+
+    # ---- wrappers
+
+    def _install(self) -> None:
+        slots = self.slots
+        for name, module in self.root.named_modules():
+            slot = Slot(module, name)
+            d = module.__dict__
+            slot.prev_forward = d.get("forward", _MISSING)
+            d["forward"] = self._wrap(slot, module.forward)
+            slots[id(module)] = slot
+
+    def _uninstall(self) -> None:
+        for slot in self.slots.values():
+            d = slot.module.__dict__
+            if slot.prev_forward is _MISSING:
+                d.pop("forward", None)
+            else:
+                d["forward"] = slot.prev_forward
+
+    def _wrap(self, slot: Slot, orig):
+        runner = self.runner
+        serve_input = self._serve_input
+        serve_output = self._serve_output
+
+        def forward(*args, **kwargs):
+            if _getcurrent() is not runner:  # a body calling a module itself: not counted
+                return orig(*args, **kwargs)
+            call = slot.calls
+            slot.calls = call + 1
+            if slot.wait_in and call in slot.wait_in:
+                args, kwargs, out = serve_input(slot, call, args, kwargs, orig)
+            else:
+                out = orig(*args, **kwargs)
+            slot.outs += 1
+            if slot.wait_out and call in slot.wait_out:
+                out = serve_output(slot, call, out)
+            return out
+
+        forward.__wrapped__ = orig
+        return forward
+
+    def _serve_output(self, slot: Slot, call: int, out):
+        key = (slot, OUTPUT, call)
+        self.position = key
+        for med in slot.wait_out.pop(call):
+            out = med.serve(key, out)
+        return out
+
+    def _serve_input(self, slot: Slot, call: int, args, kwargs, orig):
+        """Serve the input stage, run the module (unless a body skipped it), return its output."""
+        key = (slot, INPUT, call)
+        self.position = key
+        value = (args, kwargs)
+        whole = _MISSING
+        partial = []
+        for med in slot.wait_in.pop(call):
+            value = med.serve(key, value)
+            if med.skip_value is not _MISSING:
+                if med.batch is None:
+                    whole = med.skip_value
+                else:
+                    partial.append((med.batch, med.skip_value))
+                med.skip_value = _MISSING
+        args, kwargs = value
+        out = orig(*args, **kwargs) if whole is _MISSING else whole
+        for (start, size), part in partial:
+            out = batching.merge(out, part, start, size, self.total)
+        return args, kwargs, out
+
+
+def _med_index(med: Mediator) -> int:
+    return med.index

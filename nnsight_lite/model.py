@@ -1,0 +1,73 @@
+"""``NNsight``: wrap any ``torch.nn.Module`` so its insides can be read and edited in traces.
+
+    NNsight(module)        the root Envoy, with .trace() .scan() and the module's own API
+    _prepare_inputs        how one invoke's inputs become (args, kwargs, batch size)
+    _batch_inputs          how several invokes' inputs become one batch (override per wrapper)
+    _run_forward           how the batch is run through the module
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .batching import batch_size_of, concat_inputs
+from .envoy import Envoy
+from .tracing import Tracer
+
+
+class NNsight(Envoy):
+    """Wrap ``module`` to read and edit its activations inside ``with model.trace(...)`` blocks.
+
+    Example::
+
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        model = NNsight(net)
+        with model.trace(torch.randn(3, 4)):
+            hidden = model[0].output.save()
+            model[1].output[:] = 0
+        print(hidden.shape)     # torch.Size([3, 8])
+
+    ``model(x)`` outside a trace is the plain forward. Subclasses change how inputs are prepared
+    and batched by overriding ``_prepare_inputs``, ``_batch_inputs`` and ``_run_forward``.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"NNsight wraps a torch.nn.Module, got {type(module).__name__}")
+        super().__init__(module, "model")
+
+    def trace(self, *inputs, trace: bool = True, **kwargs):
+        """``with model.trace(*inputs, **kwargs) as tracer:`` - see :class:`Tracer`.
+
+        With ``trace=False`` it runs the plain forward and returns its output.
+        """
+        if not trace:
+            return self._module(*inputs, **kwargs)
+        return Tracer(self, inputs, kwargs)
+
+    def scan(self, *inputs, **kwargs):
+        """Like ``trace`` but on fake tensors: shapes and dtypes, no real computation.
+
+        Example::
+
+            with model.scan(torch.randn(3, 4)):
+                shape = model[0].output.shape
+                nnsight_lite.save(shape)
+        """
+        return Tracer(self, inputs, kwargs, scan=True)
+
+    # ---- overridable input handling
+
+    def _prepare_inputs(self, *args, **kwargs):
+        """One invoke's inputs as ``(args, kwargs, batch_size)``."""
+        return args, kwargs, batch_size_of(args, kwargs)
+
+    def _batch_inputs(self, prepared: list):
+        """Several invokes' prepared inputs as one ``(args, kwargs, [sizes])``."""
+        if len(prepared) == 1:
+            args, kwargs, size = prepared[0]
+            return args, kwargs, [size]
+        return concat_inputs([(a, k) for a, k, _ in prepared])
+
+    def _run_forward(self, args: tuple, kwargs: dict):
+        return self._module(*args, **kwargs)

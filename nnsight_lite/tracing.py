@@ -1,0 +1,227 @@
+"""The contexts users open: ``model.trace(...)``, ``tracer.invoke(...)``, ``model.scan(...)``.
+
+    Tracer      ``with model.trace(*inputs) as tracer:`` - one batched forward, bodies interleaved
+    Invoker     ``with tracer.invoke(*inputs):`` - one body with its own rows of the batch
+
+A trace given inputs is one invoke whose body is the trace's body. A trace given none runs its
+body first, in the caller's greenlet, to collect ``tracer.invoke`` blocks; then it batches their
+inputs and runs the model once with every invoke body interleaved.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+from . import capture
+from .capture import SkipBody, caller_scope, find_body, restore_tracing, skip_body, write_back
+from .envoy import _saved_stack
+from .errors import NNsightError
+from .interleaver import Interleaver, StopTrace, current_mediator
+
+
+class _Context:
+    """Shared with-statement plumbing: capture the body on enter, run it on exit."""
+
+    _what = "trace"
+
+    def __enter__(self):
+        frame = sys._getframe(1)
+        self._body = find_body(frame, self._what)
+        self._frame = frame
+        self._token = skip_body(frame)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        restore_tracing(self._token)
+        frame, self._frame = self._frame, None
+        if exc_type is not SkipBody:
+            return False
+        self._on_exit(frame)
+        return True
+
+    def _on_exit(self, frame):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class Tracer(_Context):
+    """``with model.trace(*inputs, **kwargs) as tracer:`` runs the body interleaved with one forward.
+
+    Example::
+
+        with model.trace(x) as tracer:
+            h = model.layer1.output.save()
+            tracer.stop()            # modules after this point do not run
+
+    ``tracer.invoke(...)`` adds an invoke (when the trace itself has no inputs); ``tracer.iter[i]``
+    / ``tracer.all()`` loop over a module's repeated calls; ``tracer.stop()`` ends the forward.
+    """
+
+    def __init__(self, model, args: tuple, kwargs: dict, *, scan: bool = False):
+        self.model = model
+        self._args = args
+        self._kwargs = kwargs
+        self._scan = scan
+        self._invokes: list = []
+        self._collecting = False
+        self.iter = _IterIndexer()
+
+    # ---- user API
+
+    def invoke(self, *args, **kwargs) -> "Invoker":
+        """A body with its own inputs, batched with the other invokes of this trace."""
+        if not self._collecting:
+            raise NNsightError(
+                "tracer.invoke(...) can only be used directly inside `with model.trace() as "
+                "tracer:` when the trace itself was given no inputs; pass the inputs to each "
+                "invoke instead of to trace()"
+            )
+        return Invoker(self, args, kwargs)
+
+    def stop(self) -> None:
+        """End the model's forward here. Values saved so far are kept; later modules do not run."""
+        raise StopTrace()
+
+    def all(self):
+        """Loop over every call of the modules a body reads: ``for step in tracer.all():``."""
+        return _iterate(slice(None))
+
+    # ---- running
+
+    def _on_exit(self, frame):
+        scope = caller_scope(frame)
+        saved: dict = {}
+        stack = _saved_stack()
+        stack.append(saved)
+        try:
+            self._run(scope)
+        finally:
+            stack.pop()
+        values = {k: v for k, v in scope.own_items() if saved.get(id(v)) is v}
+        scope.clear()
+        if stack:
+            stack[-1].update(saved)
+        write_back(frame, values)
+
+    def _run(self, scope):
+        model = self.model
+        if self._args or self._kwargs:
+            invokes = [(self._args, self._kwargs, self._body)]
+        else:
+            self._collecting = True
+            try:
+                exec(self._body.code, scope)
+            except StopTrace:
+                return
+            finally:
+                self._collecting = False
+            invokes = [(inv._args, inv._kwargs, inv._body) for inv in self._invokes]
+            self._invokes = []
+            if not invokes:
+                return
+        with_input = [(a, k) for a, k, _ in invokes if a or k]
+        if not with_input:
+            raise NNsightError(
+                "none of this trace's invokes has an input, so there is nothing to run the "
+                "model on; pass inputs to model.trace(...) or to at least one tracer.invoke(...)"
+            )
+        prepared = [model._prepare_inputs(*a, **k) for a, k in with_input]
+        args, kwargs, sizes = model._batch_inputs(prepared)
+        total = sum(sizes)
+        inter = Interleaver(model._module, total)
+        start = 0
+        sized = iter(sizes)
+        many = len(invokes) > 1
+        for a, k, body in invokes:
+            if a or k:
+                size = next(sized)
+                batch = (start, size) if many else None
+                start += size
+            else:
+                batch = None
+            inter.add(_body_runner(body.code, scope), batch, scope)
+        if self._scan:
+            _run_fake(inter, model, args, kwargs)
+        else:
+            inter.run(lambda: model._run_forward(args, kwargs))
+
+
+def _body_runner(code, scope):
+    def run():
+        exec(code, scope)
+
+    return run
+
+
+def _run_fake(inter: Interleaver, model, args, kwargs):
+    """Run the interleaved forward on fake tensors: shapes and dtypes, no real compute."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import torch
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(x):
+        return mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+
+    f_args = tuple(fake(a) for a in args)
+    f_kwargs = {k: fake(v) for k, v in kwargs.items()}
+    with mode:
+        inter.run(lambda: model._run_forward(f_args, f_kwargs))
+
+
+class Invoker(_Context):
+    """``with tracer.invoke(*inputs):`` - one body that sees only its own rows of the batch.
+
+    Example::
+
+        with model.trace() as tracer:
+            with tracer.invoke(x1):
+                a = model.layer1.output.save()
+            with tracer.invoke(x2):
+                model.layer1.output[:] = a      # invoke 1 reads what invoke 0 saw
+    """
+
+    _what = "invoke"
+
+    def __init__(self, tracer: Tracer, args: tuple, kwargs: dict):
+        self._tracer = tracer
+        self._args = args
+        self._kwargs = kwargs
+
+    def _on_exit(self, frame):
+        self._tracer._invokes.append(self)
+
+
+class _IterIndexer:
+    """``tracer.iter[i]``, ``tracer.iter[a:b]``, ``tracer.iter[[i, j]]``."""
+
+    def __getitem__(self, item):
+        return _iterate(item)
+
+
+def _iterate(item):
+    med = current_mediator(None, "iter")
+    if isinstance(item, int):
+        steps = iter((item,))
+    elif isinstance(item, slice):
+        start = item.start or 0
+        step = item.step or 1
+        steps = iter(range(start, item.stop, step)) if item.stop is not None else \
+            itertools.count(start, step)
+    else:
+        steps = iter(list(item))
+    return _iteration(med, steps)
+
+
+def _iteration(med, steps):
+    prev = (med.iteration, med.iter_depth)
+    med.iter_depth += 1
+    try:
+        for i in steps:
+            med.iteration = i
+            yield i
+    finally:
+        med.iteration, med.iter_depth = prev
+
+
+__all__ = ["Tracer", "Invoker", "capture"]
