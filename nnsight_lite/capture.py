@@ -30,6 +30,9 @@ _CO_OPTIMIZED = 0x0001
 
 #: Name under which compiled bodies find the exception that ends an open-ended ``tracer.iter``.
 ITER_END_NAME = "__nnsight_lite_iter_end__"
+#: Name under which compiled bodies find ``save``: ``x.save()`` in a body becomes ``save(x)``,
+#: so tuples, dicts and model-output objects can be saved like tensors.
+SAVE_NAME = "__nnsight_lite_save__"
 
 
 class SkipBody(Exception):
@@ -101,7 +104,7 @@ def _compile_body(frame: FrameType, what: str) -> Body:
             "`with` line itself; put it on its own indented lines",
             (filename, lineno, 1, lines[lineno - 1] if lineno <= len(lines) else ""),
         )
-    stmts = [_IterLoopGuard().visit(stmt) for stmt in node.body]
+    stmts = [_SaveCalls().visit(_IterLoopGuard().visit(stmt)) for stmt in node.body]
     module = ast.Module(body=stmts, type_ignores=[])
     ast.fix_missing_locations(module)
     try:
@@ -172,6 +175,18 @@ class _IterLoopGuard(ast.NodeTransformer):
     visit_Lambda = visit_FunctionDef
 
 
+class _SaveCalls(ast.NodeTransformer):
+    """``expr.save()`` (no arguments) becomes ``save(expr)`` anywhere in the body."""
+
+    def visit_Call(self, node: ast.Call):
+        self.generic_visit(node)
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr == "save" and not node.args and not node.keywords:
+            call = ast.Call(func=ast.Name(id=SAVE_NAME, ctx=ast.Load()), args=[f.value], keywords=[])
+            return ast.copy_location(call, node)
+        return node
+
+
 # --------------------------------------------------------------------------- skipping the body
 
 
@@ -212,7 +227,7 @@ class Scope(dict):
 
     __slots__ = ("_locals", "_globals", "_builtins")
 
-    def __init__(self, caller_locals, caller_globals):
+    def __init__(self, caller_locals, caller_globals, save):
         super().__init__()
         self._locals = caller_locals
         self._globals = caller_globals
@@ -220,6 +235,7 @@ class Scope(dict):
         self._builtins = b if isinstance(b, dict) else vars(b)
         dict.__setitem__(self, "__builtins__", b)
         dict.__setitem__(self, ITER_END_NAME, IterationEnd)
+        dict.__setitem__(self, SAVE_NAME, save)
 
     def __missing__(self, name):
         try:
@@ -236,13 +252,16 @@ class Scope(dict):
     def own_items(self):
         """The names the body itself bound (not the two internal entries)."""
         for k, v in dict.items(self):
-            if k != "__builtins__" and k != ITER_END_NAME:
+            if k not in _INTERNAL:
                 yield k, v
 
 
-def caller_scope(frame: FrameType) -> Scope:
+_INTERNAL = frozenset({"__builtins__", ITER_END_NAME, SAVE_NAME})
+
+
+def caller_scope(frame: FrameType, save) -> Scope:
     """A fresh Scope for a body whose ``with`` statement sits in ``frame``."""
-    return Scope(frame.f_locals, frame.f_globals)
+    return Scope(frame.f_locals, frame.f_globals, save)
 
 
 _locals_to_fast = None

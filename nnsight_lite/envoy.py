@@ -46,6 +46,15 @@ def save(obj):
     return obj
 
 
+def save_in_body(obj):
+    """What ``obj.save()`` means inside a body: the object's own ``save()`` if its class has
+    one, else :func:`save`."""
+    own = getattr(type(obj), "save", None)
+    if own is not None and own is not _tensor_save:
+        return obj.save()
+    return save(obj)
+
+
 def _tensor_save(self):
     """Keep this tensor after the trace (``h = model.layer.output.save()``). Returns ``self``."""
     return save(self)

@@ -15,7 +15,7 @@ import sys
 
 from . import capture
 from .capture import SkipBody, caller_scope, find_body, restore_tracing, skip_body, write_back
-from .envoy import _saved_stack
+from .envoy import _saved_stack, save_in_body
 from .errors import NNsightError
 from .interleaver import Interleaver, StopTrace, current_mediator
 
@@ -89,7 +89,7 @@ class Tracer(_Context):
     # ---- running
 
     def _on_exit(self, frame):
-        scope = caller_scope(frame)
+        scope = caller_scope(frame, save_in_body)
         saved: dict = {}
         stack = _saved_stack()
         stack.append(saved)

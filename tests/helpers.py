@@ -1,0 +1,34 @@
+"""Ground truth with plain PyTorch hooks."""
+
+from __future__ import annotations
+
+import torch
+
+
+def record(model: torch.nn.Module, names, *args, edits=None, **kwargs):
+    """Run ``model`` with plain forward hooks; return ({(name, call): output}, final output).
+
+    ``edits`` maps a module name to ``fn(call, output) -> new output or None`` (None: kept).
+    """
+    seen = {}
+    counts = {}
+    handles = []
+    edits = edits or {}
+    mods = dict(model.named_modules())
+    for name in set(names) | set(edits):
+        def hook(mod, inp, out, name=name):
+            c = counts.get(name, 0)
+            counts[name] = c + 1
+            if name in edits:
+                new = edits[name](c, out)
+                if new is not None:
+                    out = new
+            seen[(name, c)] = out.detach().clone() if isinstance(out, torch.Tensor) else out
+            return out
+        handles.append(mods[name].register_forward_hook(hook))
+    try:
+        out = model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, out

@@ -1,0 +1,249 @@
+"""Reading and editing module values inside ``model.trace``: ground truth is plain hooks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import nnsight_lite
+from nnsight_lite import NNsight
+from tests.helpers import record
+
+
+class TestReading:
+    """Values read in a body equal what a plain forward hook sees."""
+
+    def test_outputs_equal_hooks(self, net, x8):
+        model = NNsight(net)
+        with model.trace(x8):
+            a = model.inp.output.save()
+            b = model.layers[1].output.save()
+            c = model.layers[-1].output.save()
+            out = model.output.save()
+        seen, ref = record(net, ["inp", "layers.1", "layers.2"], x8)
+        torch.testing.assert_close(a, seen[("inp", 0)])
+        torch.testing.assert_close(b, seen[("layers.1", 0)])
+        torch.testing.assert_close(c, seen[("layers.2", 0)])
+        torch.testing.assert_close(out["logits"], ref["logits"])
+
+    def test_input_and_inputs(self, net, x8):
+        model = NNsight(net)
+        with model.trace(x8, scale=2.0):
+            root_in = model.input.save()
+            args, kwargs = model.inputs
+            scale = nnsight_lite.save(kwargs["scale"])
+            lin_in = model.layers[0].input.save()
+        seen, _ = record(net, ["act"], x8, scale=2.0)
+        assert root_in is x8
+        assert scale == 2.0
+        # layers[0] input is the output of the block's first element after shared
+        with model.trace(x8):
+            blk = model.block.output[0].save()
+        torch.testing.assert_close(lin_in, blk)
+
+    def test_unedited_trace_equals_plain_forward(self, net, x8):
+        model = NNsight(net)
+        with model.trace(x8):
+            out = model.output.save()
+        torch.testing.assert_close(out["logits"], net(x8)["logits"], rtol=0, atol=0)
+
+    def test_model_call_outside_trace_is_plain_forward(self, net, x8):
+        model = NNsight(net)
+        torch.testing.assert_close(model(x8)["logits"], net(x8)["logits"], rtol=0, atol=0)
+
+    def test_trace_false_returns_output(self, net, x8):
+        model = NNsight(net)
+        out = model.trace(x8, trace=False)
+        torch.testing.assert_close(out["logits"], net(x8)["logits"])
+
+    def test_unsaved_names_are_dropped(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            kept = model[0].output.save()
+            dropped = model[1].output  # noqa: F841
+        assert isinstance(kept, torch.Tensor)
+        with pytest.raises(NameError):
+            dropped  # noqa: B018
+
+
+class TestEditing:
+    """Edits in a body change the forward exactly as the same edit in a plain hook."""
+
+    def test_in_place_edit(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            model[1].output[:, 0] = 0
+            out = model.output.save()
+
+        def zero(c, o):
+            o[:, 0] = 0
+
+        _, ref = record(seq, [], x, edits={"1": zero})
+        torch.testing.assert_close(out, ref)
+
+    def test_replace_output(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            model[2].output = model[2].output * 2
+            out = model.output.save()
+        _, ref = record(seq, [], x, edits={"2": lambda c, o: o * 2})
+        torch.testing.assert_close(out, ref)
+
+    def test_replace_input(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            model[1].input = model[1].input + 1
+            out = model.output.save()
+        ref = seq[3](seq[2](seq[1](seq[0](x) + 1)))
+        torch.testing.assert_close(out, ref)
+
+    def test_replace_inputs_pair(self, net, x8):
+        model = NNsight(net)
+        with model.trace(x8):
+            args, kwargs = model.inputs
+            model.inputs = (args, {"scale": 3.0})
+            out = model.output.save()
+        torch.testing.assert_close(out["logits"], net(x8, scale=3.0)["logits"])
+
+    def test_tuple_output_element_in_place(self, net, x8):
+        model = NNsight(net)
+        with model.trace(x8):
+            model.block.output[0][:] = 0
+            out = model.output.save()
+
+        def zero(c, o):
+            o[0][:] = 0
+
+        _, ref = record(net, [], x8, edits={"block": zero})
+        torch.testing.assert_close(out["logits"], ref["logits"])
+
+    def test_tuple_output_replaced(self, net, x8):
+        model = NNsight(net)
+        with model.trace(x8):
+            h, s = model.block.output
+            model.block.output = (h + 1, s)
+            out = model.output.save()
+        _, ref = record(net, [], x8, edits={"block": lambda c, o: (o[0] + 1, o[1])})
+        torch.testing.assert_close(out["logits"], ref["logits"])
+
+    def test_dict_output_edit(self, net, x8):
+        model = NNsight(net)
+        with model.trace(x8):
+            model.output["logits"][:] = 1.5
+            out = model.output.save()
+        assert torch.all(out["logits"] == 1.5)
+
+    def test_dataclass_output(self):
+        @dataclasses.dataclass
+        class Out:
+            value: torch.Tensor
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(3, 3)
+
+            def forward(self, x):
+                return Out(self.lin(x))
+
+        m = M()
+        model = NNsight(m)
+        x = torch.randn(2, 3)
+        with model.trace(x):
+            model.output.value[:] = 7
+            got = model.output.save()
+        assert torch.all(got.value == 7)
+
+    def test_python_in_body(self, seq):
+        """torch functions, methods, operators, if/for, comprehensions, user functions."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+
+        def double(t):
+            return t * 2
+
+        with model.trace(x):
+            norms = nnsight_lite.save([])
+            for i in range(3):
+                h = model[i].output
+                if h.sum() > -1e9:
+                    norms.append(torch.linalg.norm(h).item())
+            squares = nnsight_lite.save([v ** 2 for v in norms])
+            model[3].output = double(model[3].output)
+            out = model.output.save()
+        seen, ref = record(seq, ["0", "1", "2"], x, edits={"3": lambda c, o: o * 2})
+        assert norms == pytest.approx([torch.linalg.norm(seen[(str(i), 0)]).item() for i in range(3)])
+        assert squares == pytest.approx([v ** 2 for v in norms])
+        torch.testing.assert_close(out, ref)
+
+    def test_calling_a_module_in_the_body_is_not_traced(self, seq):
+        """A logit-lens style extra call does not count as one of the model's calls."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            h = model[1].output
+            lens = model[3](h).save()
+            last = model[3].output.save()
+        torch.testing.assert_close(lens, seq[3](seq[1](seq[0](x))))
+        torch.testing.assert_close(last, seq(x))
+
+
+class TestStopAndCalls:
+    def test_stop_ends_forward(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        ran = []
+        handle = seq[3].register_forward_hook(lambda *a: ran.append(1))
+        try:
+            with model.trace(x) as tracer:
+                h = model[1].output.save()
+                tracer.stop()
+        finally:
+            handle.remove()
+        torch.testing.assert_close(h, seq[1](seq[0](x)))
+        assert ran == []
+
+    def test_shared_module_calls(self, net, x8):
+        model = NNsight(net)
+        with model.trace(x8):
+            first = model.shared.output.save()
+            second = model.shared.next().output.save()
+        seen, _ = record(net, ["shared"], x8)
+        torch.testing.assert_close(first, seen[("shared", 0)])
+        torch.testing.assert_close(second, seen[("shared", 1)])
+
+    def test_iter_and_all(self, net, x8):
+        model = NNsight(net)
+        with model.trace(x8) as tracer:
+            outs = nnsight_lite.save([])
+            for step in tracer.iter[0:2]:
+                outs.append(model.shared.output)
+        seen, _ = record(net, ["shared"], x8)
+        assert len(outs) == 2
+        torch.testing.assert_close(outs[1], seen[("shared", 1)])
+
+        with model.trace(x8) as tracer:
+            steps = nnsight_lite.save([])
+            for step in tracer.all():
+                steps.append((step, model.shared.output.sum().item()))
+            after = nnsight_lite.save(["loop ended"])
+        assert [s for s, _ in steps] == [0, 1]
+        assert steps[1][1] == pytest.approx(seen[("shared", 1)].sum().item())
+        assert after == ["loop ended"]
+
+
+class TestScan:
+    def test_scan_gives_shapes_without_compute(self, net):
+        model = NNsight(net)
+        x = torch.randn(5, 8)
+        with model.scan(x):
+            shape = nnsight_lite.save(model.layers[0].output.shape)
+            logits_shape = nnsight_lite.save(model.output["logits"].shape)
+        assert tuple(shape) == (5, 8)
+        assert tuple(logits_shape) == (5, 2)
