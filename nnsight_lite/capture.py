@@ -19,7 +19,7 @@ import builtins
 import ctypes
 import linecache
 import sys
-from collections import OrderedDict
+from collections import ChainMap, OrderedDict
 from types import CodeType, FrameType
 
 from .errors import BodySyntaxError, SourceUnavailableError
@@ -61,12 +61,13 @@ _bodies: OrderedDict = OrderedDict()
 def find_body(frame: FrameType, what: str = "trace") -> Body:
     """Return the compiled body of the ``with`` statement ``frame`` is executing now."""
     code = frame.f_code
-    key = (code, frame.f_lasti)
-    body = _bodies.get(key)
-    if body is not None:
-        return body
+    # Keyed by identity: equal code objects from different files or cells compare equal.
+    key = (id(code), frame.f_lasti)
+    hit = _bodies.get(key)
+    if hit is not None and hit[0] is code:
+        return hit[1]
     body = _compile_body(frame, what)
-    _bodies[key] = body
+    _bodies[key] = (code, body)
     if len(_bodies) > _CACHE_SIZE:
         _bodies.popitem(last=False)
     return body
@@ -261,7 +262,15 @@ _INTERNAL = frozenset({"__builtins__", ITER_END_NAME, SAVE_NAME})
 
 def caller_scope(frame: FrameType, save) -> Scope:
     """A fresh Scope for a body whose ``with`` statement sits in ``frame``."""
-    return Scope(frame.f_locals, frame.f_globals, save)
+    f_locals = frame.f_locals
+    code = frame.f_code
+    if code.co_freevars and not (code.co_flags & _CO_OPTIMIZED) and frame.f_back is not None:
+        # A class body: its free variables (the enclosing function's locals) are not in
+        # f_locals, but the frame that runs the class statement holds them.
+        outer = frame.f_back.f_locals
+        free = {n: outer[n] for n in code.co_freevars if n in outer}
+        f_locals = ChainMap(f_locals, free)
+    return Scope(f_locals, frame.f_globals, save)
 
 
 _locals_to_fast = None
@@ -273,8 +282,6 @@ if not _PY313:  # pragma: no cover - exercised on 3.10-3.12
 
 def write_back(frame: FrameType, values: dict) -> None:
     """Bind ``values`` in the scope of ``frame`` (module, class body, function, or a Scope)."""
-    if not values:
-        return
     f_locals = frame.f_locals
     if isinstance(f_locals, Scope) or not (frame.f_code.co_flags & _CO_OPTIMIZED):
         f_locals.update(values)
@@ -283,5 +290,10 @@ def write_back(frame: FrameType, values: dict) -> None:
         for name, value in values.items():
             f_locals[name] = value
         return
-    f_locals.update(values)
-    _locals_to_fast(frame, 0)
+    if values:
+        f_locals.update(values)
+        _locals_to_fast(frame, 0)
+    # Before 3.13, f_locals of a function frame is a snapshot dict cached on the frame: left
+    # filled it would keep every local (saved tensors included) alive after the user deletes
+    # them. Emptying it is safe; the next f_locals access fills it again.
+    f_locals.clear()

@@ -171,7 +171,7 @@ class Envoy:
     def _no_such(self, name: str) -> ModulePathError:
         children = list(self._module._modules)
         attrs = [a for a in dir(self._module) if not a.startswith("_")]
-        near = difflib.get_close_matches(name, children + attrs, n=3, cutoff=0.6)
+        near = difflib.get_close_matches(name, list(dict.fromkeys(children + attrs)), n=3, cutoff=0.6)
         hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
         kids = ", ".join(children[:12]) + (", ..." if len(children) > 12 else "")
         return ModulePathError(

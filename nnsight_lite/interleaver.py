@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import re
 import sys
 from bisect import insort
 
@@ -43,6 +44,7 @@ INPUT = "input"
 _DONE = object()
 _MISSING = object()
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 _getcurrent = greenlet.getcurrent
 _is_grad_enabled = torch.is_grad_enabled
@@ -127,7 +129,9 @@ class Slot:
         self.prev_forward = _MISSING
 
     def label(self) -> str:
-        return "model" + ("." + self.name if self.name else "")
+        """The module path as users write it: ``model.layers[1].mlp``."""
+        path = "model" + ("." + self.name if self.name else "")
+        return _INDEX.sub(r"[\1]", path)
 
 
 # --------------------------------------------------------------------------- mediators

@@ -1,0 +1,158 @@
+"""Where a body can sit: module, function, method, closure, loop, class body, exec, IPython."""
+
+from __future__ import annotations
+
+import linecache
+import runpy
+import textwrap
+
+import pytest
+import torch
+
+from nnsight_lite import NNsight, SourceUnavailableError
+from nnsight_lite.errors import BodySyntaxError
+
+
+@pytest.fixture
+def model(seq):
+    return NNsight(seq)
+
+
+def expected(seq, x, upto):
+    h = x
+    for i in range(upto + 1):
+        h = seq[i](h)
+    return h
+
+
+class TestPlacesABodyCanSit:
+    def test_module_level(self, tmp_path, seq):
+        path = tmp_path / "script.py"
+        path.write_text(textwrap.dedent("""
+            import torch
+            from nnsight_lite import NNsight
+            model = NNsight(SEQ)
+            x = X
+            with model.trace(x):
+                h = model[1].output.save()
+                junk = model[2].output
+        """))
+        x = torch.randn(2, 6)
+        ns = runpy.run_path(str(path), init_globals={"SEQ": seq, "X": x})
+        torch.testing.assert_close(ns["h"], expected(seq, x, 1))
+        assert "junk" not in ns
+
+    def test_function_with_closure(self, model, seq):
+        x = torch.randn(2, 6)
+        factor = 3.0
+
+        def outer():
+            def inner():
+                with model.trace(x):
+                    h = (model[0].output * factor).save()
+                return h
+            return inner()
+
+        torch.testing.assert_close(outer(), expected(seq, x, 0) * 3.0)
+
+    def test_method(self, model, seq):
+        x = torch.randn(2, 6)
+
+        class Probe:
+            def __init__(self, m):
+                self.m = m
+
+            def run(self, inp):
+                with self.m.trace(inp):
+                    out = self.m[2].output.save()
+                return out
+
+        torch.testing.assert_close(Probe(model).run(x), expected(seq, x, 2))
+
+    def test_loop(self, model, seq):
+        xs = [torch.randn(2, 6) for _ in range(3)]
+        got = []
+        for x in xs:
+            with model.trace(x):
+                h = model[3].output.save()
+            got.append(h)
+        for x, h in zip(xs, got):
+            torch.testing.assert_close(h, seq(x))
+
+    def test_class_body(self, model, seq):
+        x = torch.randn(2, 6)
+
+        class Holder:
+            with model.trace(x):
+                h = model[0].output.save()
+
+        torch.testing.assert_close(Holder.h, expected(seq, x, 0))
+
+    def test_names_written_back_overwrite_locals(self, model, seq):
+        x = torch.randn(2, 6)
+        h = "before"
+        with model.trace(x):
+            h = model[0].output.save()
+        assert isinstance(h, torch.Tensor)
+
+    def test_exec_with_linecache_source(self, model, seq):
+        x = torch.randn(2, 6)
+        src = "with model.trace(x):\n    h = model[1].output.save()\n"
+        filename = "<registered-snippet>"
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+        try:
+            ns = {"model": model, "x": x}
+            exec(compile(src, filename, "exec"), ns)
+        finally:
+            linecache.cache.pop(filename, None)
+        torch.testing.assert_close(ns["h"], expected(seq, x, 1))
+
+    def test_exec_without_source_raises(self, model):
+        src = "with model.trace(x):\n    h = model[1].output.save()\n"
+        ns = {"model": model, "x": torch.randn(2, 6)}
+        with pytest.raises(SourceUnavailableError, match="no source for '<string>'.*Jupyter"):
+            exec(compile(src, "<string>", "exec"), ns)
+
+    def test_ipython_cell(self, seq):
+        IPython = pytest.importorskip("IPython")
+        from IPython.core.interactiveshell import InteractiveShell
+
+        shell = InteractiveShell.instance()
+        try:
+            x = torch.randn(2, 6)
+            shell.user_ns.update(model=NNsight(seq), x=x)
+            result = shell.run_cell(
+                "with model.trace(x):\n    h = model[2].output.save()\n    tmp = model[3].output\n"
+            )
+            result.raise_error()
+            torch.testing.assert_close(shell.user_ns["h"], expected(seq, x, 2))
+            assert "tmp" not in shell.user_ns
+        finally:
+            InteractiveShell.clear_instance()
+
+
+class TestBodySyntax:
+    def test_return_in_body(self, model):
+        x = torch.randn(2, 6)
+
+        def f():
+            with model.trace(x):
+                return model[0].output
+
+        with pytest.raises(BodySyntaxError, match="`return` cannot appear"):
+            f()
+
+    def test_yield_in_body(self, model):
+        x = torch.randn(2, 6)
+
+        def g():
+            with model.trace(x):
+                yield model[0].output
+
+        with pytest.raises(BodySyntaxError, match="`yield` cannot appear"):
+            next(g())
+
+    def test_body_on_with_line(self, model):
+        x = torch.randn(2, 6)
+        with pytest.raises(BodySyntaxError, match="on its own indented lines"):
+            with model.trace(x): h = model[0].output.save()  # noqa: E701,F841

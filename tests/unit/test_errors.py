@@ -1,0 +1,176 @@
+"""User mistakes get specific, located errors; nothing is ever left behind or hangs."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+from nnsight_lite import (
+    MissedModuleError,
+    ModulePathError,
+    NNsight,
+    NNsightError,
+    OutOfOrderError,
+    OutsideTraceError,
+)
+from nnsight_lite.errors import InferenceModeSwitchError
+
+
+def _this_file_line(exc: BaseException, text: str) -> bool:
+    """Whether the traceback of ``exc`` has a frame in this file at a line containing ``text``."""
+    for fs in traceback.extract_tb(exc.__traceback__):
+        if fs.filename == __file__ and text in (fs.line or ""):
+            return True
+    return False
+
+
+class TestOrderErrors:
+    def test_out_of_order_names_module_invoke_and_line(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with pytest.raises(OutOfOrderError) as info:
+            with model.trace(x):
+                b = model[2].output
+                a = model[1].output  # the offending line
+        msg = str(info.value)
+        assert "model[1].output" in msg and "invoke 0" in msg
+        assert f"{__file__}:" in msg and "now at model[2].output" in msg
+        assert "order the model computes them" in msg
+        assert _this_file_line(info.value, "the offending line")
+        assert isinstance(info.value, RuntimeError)
+
+    def test_module_that_never_runs(self, net, x8):
+        model = NNsight(net)
+        with pytest.raises(MissedModuleError, match=r"model\.unused\.output .*never ran") as info:
+            with model.trace(x8):
+                u = model.unused.output  # never called
+        assert _this_file_line(info.value, "never called")
+
+    def test_call_index_past_last_call(self, net, x8):
+        model = NNsight(net)
+        with pytest.raises(MissedModuleError, match=r"ran only 2 time\(s\).*call 2"):
+            with model.trace(x8):
+                a = model.shared.output
+                b = model.shared.next().output
+                c = model.shared.next().output
+
+    def test_reading_after_the_trace(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(OutsideTraceError, match=r"model\[0\]\.output was read outside"):
+            model[0].output
+
+    def test_misspelled_module_lists_near_matches(self, net):
+        model = NNsight(net)
+        with pytest.raises(ModulePathError, match=r"no submodule or attribute 'layres'.*'layers'"):
+            model.layres
+        with pytest.raises(AttributeError):
+            model.layres  # also an AttributeError, so hasattr works
+        assert not hasattr(model, "nonexistent")
+
+    def test_index_out_of_range(self, net):
+        model = NNsight(net)
+        with pytest.raises(IndexError, match=r"model\.layers\[7\]"):
+            model.layers[7]
+
+    def test_trace_body_reads_other_models_values(self, seq, net, x8):
+        a, b = NNsight(seq), NNsight(net)
+        with pytest.raises(OutsideTraceError, match="not part of the model being traced"):
+            with b.trace(x8):
+                a[0].output
+
+
+class TestUserExceptions:
+    def test_user_exception_reaches_caller_unchanged(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        err = ValueError("mine")
+        with pytest.raises(ValueError) as info:
+            with model.trace(x):
+                h = model[1].output
+                raise err  # user raise
+        assert info.value is err
+        assert _this_file_line(info.value, "user raise")
+        assert not isinstance(info.value, NNsightError)
+
+    def test_error_before_any_request(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(ZeroDivisionError):
+            with model.trace(torch.randn(2, 6)):
+                1 / 0
+
+    @pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
+    def test_cleanup_after_error(self, seq, exc):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        before = seq(x)
+        with pytest.raises(exc):
+            with model.trace(x):
+                model[1].output[:] = 0
+                raise exc()
+        # model runs unedited, no wrappers left (the autouse fixture also checks)
+        torch.testing.assert_close(seq(x), before)
+        assert all("forward" not in m.__dict__ for m in seq.modules())
+
+    def test_error_in_model_forward(self):
+        class Bad(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(2, 2)
+
+            def forward(self, x):
+                self.lin(x)
+                raise KeyError("model broke")
+
+        model = NNsight(Bad())
+        with pytest.raises(KeyError, match="model broke"):
+            with model.trace(torch.randn(1, 2)):
+                h = model.lin.output.save()
+                o = model.output
+
+
+class TestTorchModes:
+    def test_no_grad_inside_body_does_not_leak_into_model(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            with torch.no_grad():
+                a = model[0].output  # waits inside no_grad
+                b = model[2].output.save()
+            out = model[3].output.save()
+        assert b.requires_grad, "model[1..2] must run with grad even though the body waited in no_grad"
+        assert out.requires_grad
+
+    def test_grad_mode_restored_after_error(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(RuntimeError):
+            with model.trace(torch.randn(2, 6)):
+                torch.set_grad_enabled(False)
+                model[0].output
+                raise RuntimeError("x")
+        assert torch.is_grad_enabled()
+
+    def test_trace_inside_no_grad(self, seq):
+        model = NNsight(seq)
+        with torch.no_grad():
+            with model.trace(torch.randn(2, 6)):
+                h = model[1].output.save()
+        assert not h.requires_grad
+
+    def test_waiting_inside_inference_mode_is_an_error(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(InferenceModeSwitchError, match="inference_mode"):
+            with model.trace(torch.randn(2, 6)):
+                with torch.inference_mode():
+                    model[0].output
+                    model[1].output
+        assert not torch.is_inference_mode_enabled()
+
+    def test_trace_inside_inference_mode(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with torch.inference_mode():
+            with model.trace(x):
+                h = model[3].output.save()
+        torch.testing.assert_close(h, seq(x))
