@@ -30,10 +30,11 @@ def test_unsaved_activations_are_freed(seq):
 
 def test_tracer_object_holds_no_activations(seq):
     model = NNsight(seq)
-    with model.trace(torch.randn(2, 6)) as tracer:
-        h = model[1].output
-        ref = weakref.ref(h)
-    assert ref() is None
+    refs = []
+    with torch.no_grad():
+        with model.trace(torch.randn(2, 6)) as tracer:
+            refs.append(weakref.ref(model[1].output))
+    assert refs[0]() is None
     assert tracer is not None
 
 
