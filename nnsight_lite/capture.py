@@ -226,10 +226,11 @@ class Scope(dict):
     invokes of one trace share one Scope, so a later invoke sees what an earlier one bound.
     """
 
-    __slots__ = ("_locals", "_globals", "_builtins")
+    __slots__ = ("_locals", "_globals", "_builtins", "_on_missing")
 
-    def __init__(self, caller_locals, caller_globals, save):
+    def __init__(self, caller_locals, caller_globals, save, on_missing):
         super().__init__()
+        self._on_missing = on_missing
         self._locals = caller_locals
         self._globals = caller_globals
         b = caller_globals.get("__builtins__", builtins)
@@ -248,7 +249,11 @@ class Scope(dict):
                 return self._globals[name]
             except KeyError:
                 pass
-        return self._builtins[name]
+        try:
+            return self._builtins[name]
+        except KeyError:
+            pass
+        return self._on_missing(self, name)  # an earlier invoke may still bind it
 
     def own_items(self):
         """The names the body itself bound (not the two internal entries)."""
@@ -260,7 +265,7 @@ class Scope(dict):
 _INTERNAL = frozenset({"__builtins__", ITER_END_NAME, SAVE_NAME})
 
 
-def caller_scope(frame: FrameType, save) -> Scope:
+def caller_scope(frame: FrameType, save, on_missing) -> Scope:
     """A fresh Scope for a body whose ``with`` statement sits in ``frame``."""
     f_locals = frame.f_locals
     code = frame.f_code
@@ -270,7 +275,7 @@ def caller_scope(frame: FrameType, save) -> Scope:
         outer = frame.f_back.f_locals
         free = {n: outer[n] for n in code.co_freevars if n in outer}
         f_locals = ChainMap(f_locals, free)
-    return Scope(f_locals, frame.f_globals, save)
+    return Scope(f_locals, frame.f_globals, save, on_missing)
 
 
 _locals_to_fast = None

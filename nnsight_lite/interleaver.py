@@ -61,6 +61,29 @@ class StopTrace(BaseException):
     """
 
 
+class NameWait:
+    """A body's request to wait until an earlier invoke binds ``name`` in the shared scope."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def wait_for_name(scope, name: str):
+    """Called when a body reads a name nobody has bound yet.
+
+    If an earlier invoke of the same trace is still running, it may bind the name later in
+    this forward (``invoke 1`` using what ``invoke 0`` reads at the same module): wait for it.
+    Otherwise raise ``KeyError`` (Python turns that into the usual NameError).
+    """
+    med = getattr(_getcurrent(), "mediator", None)
+    if med is None or med.scope is not scope or not med.interleaver.earlier_alive(med):
+        raise KeyError(name)
+    med.parent.switch(NameWait(name))
+    return dict.__getitem__(scope, name)
+
+
 class BodyGreenlet(greenlet.greenlet):
     """A greenlet that runs one invoke body. ``mediator`` links it to its runtime state."""
 
@@ -170,6 +193,7 @@ class Mediator:
         self.greenlet = g
         self.parent = parent
         self.interleaver.register(self, self.resume(None))
+        self.interleaver.wake()
 
     def _main(self, _):
         self.run_fn()
@@ -221,7 +245,10 @@ class Mediator:
             new = self.cur_value
             full = new if b is None else batching.merge(full, new, b[0], b[1], total)
         self.cur_value = None
-        self.interleaver.register(self, req)
+        inter = self.interleaver
+        inter.register(self, req)
+        if inter.name_waiters:
+            inter.wake()
         return full
 
     # ---- body side
@@ -242,6 +269,9 @@ class Mediator:
             return self.cur_value
         slot, _, call = key
         passed = (slot.outs if kind is OUTPUT else slot.calls) > call
+        if passed:  # unless the model is handing out exactly this value right now
+            now = self.interleaver.serving
+            passed = now is None or now[0] is not slot or now[1] is not kind or now[2] != call
         if passed or self.interleaver.finished:
             raise self._late_error(envoy, key)
         self.pending_envoy = envoy
@@ -274,6 +304,8 @@ class Mediator:
         )
 
     def missed_error(self):
+        if isinstance(self.pending, NameWait):
+            return NameError(f"name {self.pending.name!r} is not defined")
         slot, kind, call = self.pending
         envoy = self.pending_envoy
         path = envoy._path if envoy is not None else slot.label()
@@ -310,6 +342,8 @@ class Interleaver:
         self.slots: dict[int, Slot] = {}
         self.runner = None
         self.position = None
+        self.serving = None
+        self.name_waiters: list[Mediator] = []
         self.finished = False
         self.stopped_early = False
 
@@ -359,6 +393,10 @@ class Interleaver:
         """The forward is over: every body still waiting gets an error (or ends its iter loop)."""
         for med in self.mediators:
             while not med.done and med.pending is not None:
+                if isinstance(med.pending, NameWait):
+                    self.name_waiters.remove(med)
+                    self.register(med, med.resume(None, med.missed_error()))
+                    continue
                 slot, kind, call = med.pending
                 if med.iter_depth and call > 0 and slot.calls > 0:
                     exc = IterationEnd()
@@ -385,6 +423,9 @@ class Interleaver:
             med.pending = None
             return
         med.pending = req
+        if req.__class__ is NameWait:
+            self.name_waiters.append(med)
+            return
         slot, kind, call = req
         table = slot.wait_out if kind is OUTPUT else slot.wait_in
         waiting = table.get(call)
@@ -392,6 +433,28 @@ class Interleaver:
             table[call] = [med]
         else:
             insort(waiting, med, key=_med_index)
+
+    def earlier_alive(self, med: Mediator) -> bool:
+        """Whether an invoke before ``med`` may still run (and bind names ``med`` waits for)."""
+        if self.finished:
+            return False
+        return any(not m.done for m in self.mediators[: med.index])
+
+    def wake(self) -> None:
+        """Resume bodies waiting for a name that is now bound (or that can no longer be)."""
+        while self.name_waiters:
+            for med in self.name_waiters:
+                name = med.pending.name
+                if name in med.scope:
+                    exc = None
+                    break
+                if not self.earlier_alive(med):
+                    exc = med.missed_error()
+                    break
+            else:
+                return
+            self.name_waiters.remove(med)
+            self.register(med, med.resume(None, exc))
 
     # ---- wrappers
 
@@ -436,26 +499,36 @@ class Interleaver:
 
     def _serve_output(self, slot: Slot, call: int, out):
         key = (slot, OUTPUT, call)
-        self.position = key
-        for med in slot.wait_out.pop(call):
-            out = med.serve(key, out)
+        self.position = self.serving = key
+        waiting = slot.wait_out
+        try:
+            while call in waiting:  # bodies woken while serving may ask for this same value
+                for med in waiting.pop(call):
+                    out = med.serve(key, out)
+        finally:
+            self.serving = None
         return out
 
     def _serve_input(self, slot: Slot, call: int, args, kwargs, orig):
         """Serve the input stage, run the module (unless a body skipped it), return its output."""
         key = (slot, INPUT, call)
-        self.position = key
+        self.position = self.serving = key
         value = (args, kwargs)
         whole = _MISSING
         partial = []
-        for med in slot.wait_in.pop(call):
-            value = med.serve(key, value)
-            if med.skip_value is not _MISSING:
-                if med.batch is None:
-                    whole = med.skip_value
-                else:
-                    partial.append((med.batch, med.skip_value))
-                med.skip_value = _MISSING
+        waiting = slot.wait_in
+        try:
+            while call in waiting:
+                for med in waiting.pop(call):
+                    value = med.serve(key, value)
+                    if med.skip_value is not _MISSING:
+                        if med.batch is None:
+                            whole = med.skip_value
+                        else:
+                            partial.append((med.batch, med.skip_value))
+                        med.skip_value = _MISSING
+        finally:
+            self.serving = None
         args, kwargs = value
         out = orig(*args, **kwargs) if whole is _MISSING else whole
         for (start, size), part in partial:

@@ -17,7 +17,7 @@ from . import capture
 from .capture import SkipBody, caller_scope, find_body, restore_tracing, skip_body, write_back
 from .envoy import _saved_stack, save_in_body
 from .errors import NNsightError
-from .interleaver import Interleaver, StopTrace, current_mediator
+from .interleaver import Interleaver, StopTrace, current_mediator, wait_for_name
 
 
 class _Context:
@@ -89,7 +89,7 @@ class Tracer(_Context):
     # ---- running
 
     def _on_exit(self, frame):
-        scope = caller_scope(frame, save_in_body)
+        scope = caller_scope(frame, save_in_body, wait_for_name)
         saved: dict = {}
         stack = _saved_stack()
         stack.append(saved)
