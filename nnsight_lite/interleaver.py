@@ -140,20 +140,28 @@ def current_mediator(envoy=None, what: str = "output") -> "Mediator":
 class Slot:
     """Per-trace state of one module: its call counters and the bodies waiting on it."""
 
-    __slots__ = ("module", "name", "calls", "outs", "wait_in", "wait_out", "prev_forward")
+    __slots__ = ("module", "parent", "attr", "calls", "outs", "wait_in", "wait_out", "prev_forward")
 
-    def __init__(self, module, name):
+    def __init__(self, module, parent, attr):
         self.module = module
-        self.name = name
+        self.parent = parent  # the Slot of the module that holds this one (None at the root)
+        self.attr = attr  # this module's name in its parent
         self.calls = 0  # calls whose input stage has begun
         self.outs = 0  # calls that have produced their output
         self.wait_in = {}
         self.wait_out = {}
-        self.prev_forward = _MISSING
+
+    @property
+    def name(self) -> str:
+        """The ``named_modules()`` path ("" for the root)."""
+        if self.parent is None:
+            return ""
+        up = self.parent.name
+        return f"{up}.{self.attr}" if up else self.attr
 
     def label(self) -> str:
         """The module path as users write it: ``model.layers[1].mlp``."""
-        path = "model" + ("." + self.name if self.name else "")
+        path = "model" + ("." + self.name if self.parent is not None else "")
         return _INDEX.sub(r"[\1]", path)
 
 
@@ -459,13 +467,24 @@ class Interleaver:
     # ---- wrappers
 
     def _install(self) -> None:
+        """Wrap ``forward`` of every module of the model (each module once, pre-order)."""
         slots = self.slots
-        for name, module in self.root.named_modules():
-            slot = Slot(module, name)
+        wrap = self._wrap
+        stack = [(self.root, None, "")]
+        pop, push = stack.pop, stack.extend
+        while stack:
+            module, parent, attr = pop()
+            key = id(module)
+            if key in slots:
+                continue
+            slot = Slot(module, parent, attr)
             d = module.__dict__
             slot.prev_forward = d.get("forward", _MISSING)
-            d["forward"] = self._wrap(slot, module.forward)
-            slots[id(module)] = slot
+            d["forward"] = wrap(slot, module.forward)
+            slots[key] = slot
+            children = module._modules
+            if children:
+                push([(c, slot, n) for n, c in reversed(children.items()) if c is not None])
 
     def _uninstall(self) -> None:
         for slot in self.slots.values():
