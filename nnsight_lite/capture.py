@@ -33,6 +33,10 @@ ITER_END_NAME = "__nnsight_lite_iter_end__"
 #: Name under which compiled bodies find ``save``: ``x.save()`` in a body becomes ``save(x)``,
 #: so tuples, dicts and model-output objects can be saved like tensors.
 SAVE_NAME = "__nnsight_lite_save__"
+#: ``x.grad`` in a body becomes ``GRAD_NAME(x)`` and ``x.grad = g`` becomes ``SET_GRAD_NAME(x, g)``,
+#: so gradients can be answered as backprop reaches them (see backward.py).
+GRAD_NAME = "__nnsight_lite_grad__"
+SET_GRAD_NAME = "__nnsight_lite_set_grad__"
 
 
 class SkipBody(Exception):
@@ -46,10 +50,13 @@ class IterationEnd(Exception):
 class Body:
     """A compiled with-block body and where it came from."""
 
-    __slots__ = ("code", "filename", "lineno", "end_lineno")
+    __slots__ = ("code", "filename", "lineno", "end_lineno", "trivial")
 
-    def __init__(self, code: CodeType, filename: str, lineno: int, end_lineno: int):
+    def __init__(self, code: CodeType, filename: str, lineno: int, end_lineno: int, trivial: bool):
         self.code = code
+        # A body of only `pass`/`...`/strings: harmless to run inline, and CPython may emit
+        # its line outside the with-block's handler, so it is not skipped.
+        self.trivial = trivial
         self.filename = filename
         self.lineno = lineno
         self.end_lineno = end_lineno
@@ -105,14 +112,18 @@ def _compile_body(frame: FrameType, what: str) -> Body:
             "`with` line itself; put it on its own indented lines",
             (filename, lineno, 1, lines[lineno - 1] if lineno <= len(lines) else ""),
         )
-    stmts = [_SaveCalls().visit(_IterLoopGuard().visit(stmt)) for stmt in node.body]
+    stmts = [_Rewrite().visit(_IterLoopGuard().visit(stmt)) for stmt in node.body]
     module = ast.Module(body=stmts, type_ignores=[])
     ast.fix_missing_locations(module)
     try:
         code = compile(module, filename, "exec", dont_inherit=True)
     except SyntaxError as exc:
         raise _body_syntax_error(exc, what, filename, lineno) from None
-    return Body(code, filename, node.lineno, node.end_lineno or node.lineno)
+    trivial = all(
+        isinstance(st, ast.Pass) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))
+        for st in node.body
+    )
+    return Body(code, filename, node.lineno, node.end_lineno or node.lineno, trivial)
 
 
 def _with_at(tree: ast.AST, lineno: int):
@@ -176,15 +187,47 @@ class _IterLoopGuard(ast.NodeTransformer):
     visit_Lambda = visit_FunctionDef
 
 
-class _SaveCalls(ast.NodeTransformer):
-    """``expr.save()`` (no arguments) becomes ``save(expr)`` anywhere in the body."""
+def _call(name: str, *args) -> ast.Call:
+    return ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=list(args), keywords=[])
+
+
+class _Rewrite(ast.NodeTransformer):
+    """Body rewrites, anywhere in the body (nested functions included):
+
+    ``expr.save()`` -> ``save(expr)``   (tuples, dicts and model outputs can be saved too)
+    ``expr.grad``   -> ``grad(expr)``   ``expr.grad = v`` -> ``set_grad(expr, v)``
+    ``expr.grad op= v`` -> ``set_grad(expr, grad(expr) op v)``
+    """
 
     def visit_Call(self, node: ast.Call):
         self.generic_visit(node)
         f = node.func
         if isinstance(f, ast.Attribute) and f.attr == "save" and not node.args and not node.keywords:
-            call = ast.Call(func=ast.Name(id=SAVE_NAME, ctx=ast.Load()), args=[f.value], keywords=[])
-            return ast.copy_location(call, node)
+            return ast.copy_location(_call(SAVE_NAME, f.value), node)
+        return node
+
+    def visit_Attribute(self, node: ast.Attribute):
+        self.generic_visit(node)
+        if node.attr == "grad" and isinstance(node.ctx, ast.Load):
+            return ast.copy_location(_call(GRAD_NAME, node.value), node)
+        return node
+
+    def visit_Assign(self, node: ast.Assign):
+        t = node.targets[0]
+        if len(node.targets) == 1 and isinstance(t, ast.Attribute) and t.attr == "grad":
+            value = self.visit(node.value)
+            obj = self.visit(t.value)
+            return ast.copy_location(ast.Expr(_call(SET_GRAD_NAME, obj, value)), node)
+        self.generic_visit(node)
+        return node
+
+    def visit_AugAssign(self, node: ast.AugAssign):
+        t = node.target
+        if isinstance(t, ast.Attribute) and t.attr == "grad":
+            obj = self.visit(t.value)
+            new = ast.BinOp(left=_call(GRAD_NAME, obj), op=node.op, right=self.visit(node.value))
+            return ast.copy_location(ast.Expr(_call(SET_GRAD_NAME, obj, new)), node)
+        self.generic_visit(node)
         return node
 
 
@@ -228,7 +271,7 @@ class Scope(dict):
 
     __slots__ = ("_locals", "_globals", "_builtins", "_on_missing")
 
-    def __init__(self, caller_locals, caller_globals, save, on_missing):
+    def __init__(self, caller_locals, caller_globals, runtime: dict, on_missing):
         super().__init__()
         self._on_missing = on_missing
         self._locals = caller_locals
@@ -237,7 +280,7 @@ class Scope(dict):
         self._builtins = b if isinstance(b, dict) else vars(b)
         dict.__setitem__(self, "__builtins__", b)
         dict.__setitem__(self, ITER_END_NAME, IterationEnd)
-        dict.__setitem__(self, SAVE_NAME, save)
+        self.update(runtime)  # SAVE_NAME, GRAD_NAME, SET_GRAD_NAME -> their functions
 
     def __missing__(self, name):
         try:
@@ -262,11 +305,15 @@ class Scope(dict):
                 yield k, v
 
 
-_INTERNAL = frozenset({"__builtins__", ITER_END_NAME, SAVE_NAME})
+_INTERNAL = frozenset({"__builtins__", ITER_END_NAME, SAVE_NAME, GRAD_NAME, SET_GRAD_NAME})
 
 
-def caller_scope(frame: FrameType, save, on_missing) -> Scope:
-    """A fresh Scope for a body whose ``with`` statement sits in ``frame``."""
+def caller_scope(frame: FrameType, runtime: dict, on_missing) -> Scope:
+    """A fresh Scope for a body whose ``with`` statement sits in ``frame``.
+
+    ``runtime`` maps the names the body rewrites use (SAVE_NAME, GRAD_NAME, SET_GRAD_NAME) to
+    their functions; ``on_missing(scope, name)`` is asked for names found nowhere.
+    """
     f_locals = frame.f_locals
     code = frame.f_code
     if code.co_freevars and not (code.co_flags & _CO_OPTIMIZED) and frame.f_back is not None:
@@ -275,7 +322,7 @@ def caller_scope(frame: FrameType, save, on_missing) -> Scope:
         outer = frame.f_back.f_locals
         free = {n: outer[n] for n in code.co_freevars if n in outer}
         f_locals = ChainMap(f_locals, free)
-    return Scope(f_locals, frame.f_globals, save, on_missing)
+    return Scope(f_locals, frame.f_globals, runtime, on_missing)
 
 
 _locals_to_fast = None

@@ -11,40 +11,14 @@ inputs and runs the model once with every invoke body interleaved.
 from __future__ import annotations
 
 import itertools
-import sys
 
-from . import capture
-from .capture import SkipBody, caller_scope, find_body, restore_tracing, skip_body, write_back
-from .envoy import _saved_stack, save_in_body
+from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patches backward)
+from .context import BodyContext
 from .errors import NNsightError
-from .interleaver import Interleaver, StopTrace, current_mediator, wait_for_name
+from .interleaver import Interleaver, StopTrace, current_mediator
 
 
-class _Context:
-    """Shared with-statement plumbing: capture the body on enter, run it on exit."""
-
-    _what = "trace"
-
-    def __enter__(self):
-        frame = sys._getframe(1)
-        self._body = find_body(frame, self._what)
-        self._frame = frame
-        self._token = skip_body(frame)
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        restore_tracing(self._token)
-        frame, self._frame = self._frame, None
-        if exc_type is not SkipBody:
-            return False
-        self._on_exit(frame)
-        return True
-
-    def _on_exit(self, frame):  # pragma: no cover - abstract
-        raise NotImplementedError
-
-
-class Tracer(_Context):
+class Tracer(BodyContext):
     """``with model.trace(*inputs, **kwargs) as tracer:`` runs the body interleaved with one forward.
 
     Example::
@@ -89,19 +63,7 @@ class Tracer(_Context):
     # ---- running
 
     def _on_exit(self, frame):
-        scope = caller_scope(frame, save_in_body, wait_for_name)
-        saved: dict = {}
-        stack = _saved_stack()
-        stack.append(saved)
-        try:
-            self._run(scope)
-        finally:
-            stack.pop()
-        values = {k: v for k, v in scope.own_items() if saved.get(id(v)) is v}
-        scope.clear()
-        if stack:
-            stack[-1].update(saved)
-        write_back(frame, values)
+        self._run_in_scope(frame, self._run)
 
     def _run(self, scope):
         model = self.model
@@ -169,7 +131,7 @@ def _run_fake(inter: Interleaver, model, args, kwargs):
         inter.run(lambda: model._run_forward(f_args, f_kwargs))
 
 
-class Invoker(_Context):
+class Invoker(BodyContext):
     """``with tracer.invoke(*inputs):`` - one body that sees only its own rows of the batch.
 
     Example::
@@ -224,4 +186,4 @@ def _iteration(med, steps):
         med.iteration, med.iter_depth = prev
 
 
-__all__ = ["Tracer", "Invoker", "capture"]
+__all__ = ["Tracer", "Invoker"]

@@ -1,0 +1,271 @@
+"""Gradients: ``with loss.backward():`` bodies that read and edit ``.grad`` as backprop runs.
+
+    patched Tensor.backward   plain call: the original; ``with loss.backward(...):`` a Backward
+    Backward                  the context: runs its body interleaved with one backward pass
+    read_grad / set_grad      what ``t.grad`` / ``t.grad = g`` mean inside a body
+
+Whether ``loss.backward()`` is used as a context manager is read from the caller's bytecode:
+the call is immediately followed by the with-statement's setup instruction. That look-up is
+cached per code object, so a plain ``loss.backward()`` pays about a microsecond.
+
+Inside the body, ``t.grad`` registers a hook on ``t`` and switches to the parent, which runs
+the backward; the hook switches back into the body with the gradient, and returns whatever
+the body left there. Gradients therefore arrive in reverse execution order. The backward runs
+with autograd's multithreading off, so every hook fires on the calling thread (a greenlet
+cannot be switched into from another thread, and autograd uses device threads for CUDA).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dis
+import functools
+import sys
+
+import greenlet
+import torch
+
+from .capture import GRAD_NAME, SET_GRAD_NAME
+from .context import RUNTIME, BodyContext
+from .errors import GradientError, OutOfOrderError
+from .interleaver import set_tls_state, tls_state, user_location
+
+_original_backward = torch.Tensor.backward
+_DONE = object()
+_CALLS = frozenset({"CALL", "CALL_KW", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW",
+                    "CALL_FUNCTION_EX", "PRECALL"})
+_WITH = frozenset({"BEFORE_WITH", "SETUP_WITH"})
+_with_calls: dict = {}
+
+
+def _with_call_offsets(code) -> frozenset:
+    """Offsets of call instructions whose result is entered as a context manager.
+
+    Every offset from the call up to the with-setup is included: while the call runs, the
+    frame's ``f_lasti`` may point at one of the call's inline cache entries (3.11+).
+    """
+    found = set()
+    prev = None
+    for ins in dis.get_instructions(code):
+        if ins.opname in _WITH and prev is not None:
+            found.update(range(prev, ins.offset, 2))
+        prev = ins.offset if ins.opname in _CALLS else None
+    return frozenset(found)
+
+
+def _called_as_context(frame) -> bool:
+    code = frame.f_code
+    offsets = _with_calls.get(code)
+    if offsets is None:
+        if len(_with_calls) > 4096:
+            _with_calls.clear()
+        offsets = _with_calls[code] = _with_call_offsets(code)
+    return frame.f_lasti in offsets
+
+
+@functools.wraps(_original_backward)
+def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    if _called_as_context(sys._getframe(1)):
+        return Backward(self, gradient, retain_graph, create_graph, inputs)
+    return _original_backward(self, gradient, retain_graph, create_graph, inputs)
+
+
+backward.__nnsight_lite__ = True
+torch.Tensor.backward = backward
+
+
+class GradGreenlet(greenlet.greenlet):
+    """Runs one backward body. ``grads`` links it to its runtime state."""
+
+    grads: "Backward | None" = None
+
+
+def _current_backward():
+    return getattr(greenlet.getcurrent(), "grads", None)
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"tensor of shape {tuple(t.shape)} ({t.dtype})"
+    return type(t).__name__
+
+
+def read_grad(t):
+    """``t.grad`` in a body: the gradient at the moment backprop reaches ``t``."""
+    ctx = _current_backward()
+    if ctx is not None:
+        return ctx.request(t)
+    if not isinstance(t, torch.Tensor) or t.is_leaf or t.grad is not None:
+        return t.grad
+    raise GradientError(
+        f".grad of an activation ({_describe(t)}) was read at {user_location()} outside a "
+        "backward context. Activation gradients exist only while backprop runs: write\n"
+        "    with loss.backward():\n        g = hs.grad.save()\n"
+        "(inside the trace or after it, on saved tensors) instead of calling loss.backward() "
+        "and reading .grad afterwards."
+    )
+
+
+def set_grad(t, value) -> None:
+    """``t.grad = value`` in a body: replace the gradient that flows on from ``t``."""
+    ctx = _current_backward()
+    if ctx is None:
+        t.grad = value
+        return
+    ctx.request(t)
+    ctx.cur_value = value
+
+
+RUNTIME[GRAD_NAME] = read_grad
+RUNTIME[SET_GRAD_NAME] = set_grad
+
+
+class Backward(BodyContext):
+    """``with loss.backward(gradient=None, retain_graph=None, create_graph=False, inputs=None):``
+
+    Example::
+
+        with model.trace(x):
+            hs = model.layer1.output
+            loss = model.output.sum()
+            with loss.backward():
+                g = hs.grad.save()          # the gradient w.r.t. layer1's output
+                hs.grad[:] = 0              # and what flows on to earlier layers
+
+    Works standalone too, on tensors saved from a trace or any autograd graph. Read gradients
+    in reverse execution order (last layer first).
+    """
+
+    _what = "backward"
+
+    def __init__(self, loss, gradient, retain_graph, create_graph, inputs):
+        self._loss = loss
+        self._args = (gradient, retain_graph, create_graph, inputs)
+        self.cur = None
+        self.cur_value = None
+        self._seq = None
+        self._finished = False
+        self._pending = None
+
+    def _on_exit(self, frame):
+        self._run_in_scope(frame, self._run)
+
+    # ---- running
+
+    def _run(self, scope):
+        loss = self._loss
+        if not loss.requires_grad:
+            raise GradientError(
+                f"`with loss.backward():` at {user_location()}: the loss ({_describe(loss)}) does "
+                "not require grad, so there is no backward pass to run. It was computed under "
+                "torch.no_grad()/inference_mode or only from tensors that do not require grad; "
+                "compute it with grad enabled."
+            )
+        code = self._body.code
+        self._runner = greenlet.getcurrent()
+        def run(_):
+            exec(code, scope)
+            return _DONE
+
+        g = GradGreenlet(run, self._runner)
+        g.grads = self
+        g.gr_context = contextvars.copy_context()
+        self._greenlet = g
+        self._handles = []
+        saved_state = tls_state()
+        try:
+            self._register(self._resume(None))
+            with torch.autograd.set_multithreading_enabled(False):
+                _original_backward(loss, *self._args)
+            self._finished = True
+            while not g.dead and self._pending is not None:
+                self._register(self._resume(None, self._missed_error()))
+        finally:
+            self._finished = True
+            for h in self._handles:
+                h.remove()
+            for _ in range(3):
+                if g.dead:
+                    break
+                try:
+                    g.throw(greenlet.GreenletExit)
+                except BaseException:
+                    pass
+            now = tls_state()
+            if now != saved_state:
+                set_tls_state(saved_state, now)
+
+    def _resume(self, value, throw=None):
+        g = self._greenlet
+        return g.switch(value) if throw is None else g.throw(throw)
+
+    def _register(self, req):
+        if req is _DONE or self._greenlet.dead:
+            self._pending = None
+            return
+        t, where = req
+        self._pending = req
+        self._handles.append(t.register_hook(functools.partial(self._hook, t)))
+
+    def _hook(self, t, grad):
+        if greenlet.getcurrent() is not self._runner:
+            raise GradientError(
+                "a gradient hook fired on a thread other than the one running the backward; "
+                "nnsight_lite runs backward with autograd multithreading off to prevent this"
+            )
+        if self._pending is None or self._pending[0] is not t:
+            return None
+        value = grad.clone()
+        self.cur = t
+        self.cur_value = value
+        self._seq = _seq_of(t)
+        try:
+            req = self._resume(value)
+        finally:
+            self.cur = None
+        out, self.cur_value = self.cur_value, None
+        self._register(req)
+        return out
+
+    # ---- body side
+
+    def request(self, t):
+        if t is self.cur:
+            return self.cur_value
+        where = user_location()
+        if not isinstance(t, torch.Tensor):
+            raise GradientError(f".grad was read at {where} on a {type(t).__name__}, not a tensor")
+        if not t.requires_grad:
+            raise GradientError(
+                f"{_describe(t)} at {where} does not require grad, so it has no gradient in this "
+                "backward. It was computed under torch.no_grad()/inference_mode or from tensors "
+                "that do not require grad: call .requires_grad_(True) on it (or on the input) "
+                "during the forward, before it is used."
+            )
+        if self._finished:
+            raise GradientError(
+                f".grad of {_describe(t)} was read at {where} after the backward pass finished; "
+                "read gradients inside the `with loss.backward():` body"
+            )
+        seq = _seq_of(t)
+        if self._seq is not None and seq is not None and seq > self._seq:
+            raise OutOfOrderError(
+                f".grad of {_describe(t)} was read at {where}, but backprop has already passed "
+                f"it: it was computed after the tensor whose gradient was read last. Gradients "
+                "arrive in reverse execution order: read the later layer's .grad first."
+            )
+        return greenlet.getcurrent().parent.switch((t, where))
+
+    def _missed_error(self):
+        t, where = self._pending
+        return GradientError(
+            f".grad of {_describe(t)} was read at {where}, but backprop never reached it: the "
+            "tensor is not part of this loss's graph (or its gradient was computed before it "
+            "was asked for, with no later tensor read in between). Check that the loss is "
+            "computed from it, and read gradients in reverse execution order."
+        )
+
+
+def _seq_of(t):
+    fn = t.grad_fn
+    return fn._sequence_nr() if fn is not None else None

@@ -1,0 +1,64 @@
+"""The with-statement plumbing every body context shares (trace, invoke, backward).
+
+    BodyContext    __enter__ captures the body and arranges to skip it; __exit__ runs it
+    RUNTIME        the functions body rewrites call (save; backward.py adds grad/set_grad)
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .capture import (
+    SAVE_NAME,
+    SkipBody,
+    caller_scope,
+    find_body,
+    restore_tracing,
+    skip_body,
+    write_back,
+)
+from .envoy import _saved_stack, save_in_body
+from .interleaver import wait_for_name
+
+RUNTIME = {SAVE_NAME: save_in_body}
+
+
+class BodyContext:
+    """Base of the contexts whose body runs later, in a greenlet, instead of inline."""
+
+    _what = "trace"
+
+    def __enter__(self):
+        frame = sys._getframe(1)
+        self._body = find_body(frame, self._what)
+        self._frame = frame
+        self._token = None if self._body.trivial else skip_body(frame)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if self._token is not None:
+            restore_tracing(self._token)
+        frame, self._frame = self._frame, None
+        if exc_type is not (None if self._token is None else SkipBody):
+            return False
+        self._on_exit(frame)
+        return True
+
+    def _on_exit(self, frame):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _run_in_scope(self, frame, run) -> None:
+        """Run ``run(scope)`` in a fresh Scope for ``frame``; bind the saved names back there."""
+        scope = caller_scope(frame, RUNTIME, wait_for_name)
+        saved: dict = {}
+        stack = _saved_stack()
+        stack.append(saved)
+        try:
+            run(scope)
+        finally:
+            stack.pop()
+        values = {k: v for k, v in scope.own_items() if saved.get(id(v)) is v}
+        scope.clear()
+        if stack:  # a trace nested in another body: its saves are saved there too
+            stack[-1].update(saved)
+        write_back(frame, values)

@@ -1,0 +1,200 @@
+"""Gradients inside ``with loss.backward():``, against retain_grad / register_hook ground truth."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from nnsight_lite import NNsight, OutOfOrderError
+from nnsight_lite.errors import GradientError
+
+
+def reference_grads(seq, x, edit=None):
+    """Plain PyTorch: retain_grad on every layer output, optional hook editing one of them."""
+    hs = []
+    h = x
+    for i, layer in enumerate(seq):
+        h = layer(h)
+        h.retain_grad()
+        if edit is not None and edit[0] == i:
+            h.register_hook(edit[1])
+        hs.append(h)
+    h.sum().backward()
+    return [t.grad for t in hs], [p.grad.clone() for p in seq.parameters()]
+
+
+class TestPlainBackwardUnchanged:
+    def test_plain_call_is_original(self, seq):
+        x = torch.randn(2, 6)
+        seq(x).sum().backward()
+        got = [p.grad.clone() for p in seq.parameters()]
+        seq.zero_grad()
+        torch.autograd.backward(seq(x).sum())
+        want = [p.grad.clone() for p in seq.parameters()]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+
+    def test_plain_call_same_errors(self):
+        t = torch.randn(3)
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            t.sum().backward()
+
+    def test_patched_once(self):
+        assert getattr(torch.Tensor.backward, "__nnsight_lite__", False)
+
+
+class TestReadingGrads:
+    def test_in_trace_reverse_order(self, seq):
+        x = torch.randn(2, 6)
+        model = NNsight(seq)
+        with model.trace(x):
+            h1 = model[1].output
+            h3 = model[3].output
+            loss = h3.sum()
+            with loss.backward():
+                g3 = h3.grad.save()
+                g1 = h1.grad.save()
+        ref, _ = reference_grads(seq, x)
+        torch.testing.assert_close(g3, ref[3])
+        torch.testing.assert_close(g1, ref[1])
+
+    def test_standalone_on_saved_tensors(self, seq):
+        x = torch.randn(2, 6)
+        model = NNsight(seq)
+        with model.trace(x):
+            h0 = model[0].output.save()
+            out = model.output.save()
+        with out.sum().backward():
+            g0 = h0.grad.save()
+        ref, _ = reference_grads(seq, x)
+        torch.testing.assert_close(g0, ref[0])
+
+    def test_standalone_no_trace(self):
+        a = torch.randn(3, requires_grad=True)
+        b = a * 2
+        c = (b ** 2).sum()
+        with c.backward():
+            gb = b.grad.save()
+            ga = a.grad.save()
+        torch.testing.assert_close(gb, 2 * b.detach() * 2 / 2 * 1)  # d(b^2)/db = 2b
+        torch.testing.assert_close(ga, 8 * a.detach())
+
+    def test_parameter_grads_after_backward_block(self, seq):
+        x = torch.randn(2, 6)
+        model = NNsight(seq)
+        with model.trace(x):
+            loss = model.output.sum()
+            with loss.backward():
+                pass
+        got = [p.grad.clone() for p in seq.parameters()]
+        seq.zero_grad()
+        _, want = reference_grads(seq, x)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+
+
+class TestEditingGrads:
+    @pytest.mark.parametrize("kind", ["zero", "scale"])
+    def test_edit_flows_to_earlier_layers(self, seq, kind):
+        x = torch.randn(2, 6)
+        model = NNsight(seq)
+        with model.trace(x):
+            h1 = model[1].output
+            h3 = model[3].output
+            with h3.sum().backward():
+                if kind == "zero":
+                    h3.grad[:] = 0
+                else:
+                    h3.grad = h3.grad * 2
+                g1 = h1.grad.save()
+        got_params = [p.grad.clone() for p in seq.parameters()]
+        seq.zero_grad()
+        hook = (lambda g: torch.zeros_like(g)) if kind == "zero" else (lambda g: g * 2)
+        ref, ref_params = reference_grads(seq, x, edit=(3, hook))
+        torch.testing.assert_close(g1, ref[1])
+        for g, w in zip(got_params, ref_params):
+            torch.testing.assert_close(g, w)
+
+    def test_detach_stops_flow(self, seq):
+        x = torch.randn(2, 6)
+        model = NNsight(seq)
+        with model.trace(x):
+            model[1].output = model[1].output.detach()
+            loss = model.output.sum()
+            with loss.backward():
+                pass
+        assert seq[0].weight.grad is None
+        assert seq[2].weight.grad is not None
+
+
+class TestGradErrors:
+    def test_forward_order_is_out_of_order(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(OutOfOrderError, match="reverse execution order"):
+            with model.trace(torch.randn(2, 6)):
+                h1 = model[1].output
+                h3 = model[3].output
+                with h3.sum().backward():
+                    g1 = h1.grad
+                    g3 = h3.grad
+
+    def test_tensor_not_requiring_grad(self, seq):
+        t = torch.randn(3)
+        a = torch.randn(3, requires_grad=True)
+        with pytest.raises(GradientError, match=r"requires_grad_\(True\)"):
+            with (a * 2).sum().backward():
+                t.grad
+
+    def test_tensor_not_in_graph(self):
+        a = torch.randn(3, requires_grad=True)
+        other = torch.randn(3, requires_grad=True) * 3
+        with pytest.raises(GradientError, match="never reached it"):
+            with (a * 2).sum().backward():
+                other.grad
+
+    def test_no_grad_loss(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(GradientError, match="does not require grad"):
+            with torch.no_grad():
+                with model.trace(torch.randn(2, 6)):
+                    loss = model.output.sum()
+                    with loss.backward():
+                        pass
+
+    def test_old_idiom_reading_activation_grad(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(GradientError, match=r"with loss.backward\(\):"):
+            with model.trace(torch.randn(2, 6)):
+                h = model[1].output
+                model.output.sum().backward()
+                g = h.grad
+
+
+class TestThreads:
+    def test_hooks_fire_on_calling_thread(self, seq):
+        x = torch.randn(2, 6)
+        model = NNsight(seq)
+        threads = []
+        with model.trace(x):
+            h = model[2].output
+            with model.output.sum().backward():
+                threads.append(threading.get_ident())
+                g = h.grad.save()
+                threads.append(threading.get_ident())
+        assert threads == [threading.get_ident()] * 2
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (autograd device threads)")
+    def test_cuda_backward_runs_on_calling_thread(self):
+        seq = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)).cuda()
+        x = torch.randn(2, 6, device="cuda")
+        model = NNsight(seq)
+        with model.trace(x):
+            h = model[0].output
+            with model.output.sum().backward():
+                g = h.grad.save()
+        ref = seq[0](x)
+        ref.retain_grad()
+        seq[1](ref).sum().backward()
+        torch.testing.assert_close(g, ref.grad)
