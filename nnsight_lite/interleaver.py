@@ -217,12 +217,14 @@ class Mediator:
                 req = self.greenlet.switch(value)
             else:
                 req = self.greenlet.throw(throw)
-        except BaseException:
+        except BaseException as exc:
             self.done = True
             self.pending = None
             now = tls_state()
             if now != parent_state:
                 set_tls_state(parent_state, now)
+            if isinstance(exc, Exception) and len(self.interleaver.mediators) > 1:
+                _note(exc, f"nnsight_lite: raised in the body of invoke {self.index} of this trace")
             raise
         now = tls_state()
         self.tls = now
@@ -553,6 +555,12 @@ class Interleaver:
         for (start, size), part in partial:
             out = batching.merge(out, part, start, size, self.total)
         return args, kwargs, out
+
+
+def _note(exc: BaseException, text: str) -> None:
+    """Add ``text`` to ``exc``'s notes once (Python 3.11+; a no-op on 3.10)."""
+    if hasattr(exc, "add_note") and text not in getattr(exc, "__notes__", ()):
+        exc.add_note(text)
 
 
 def _med_index(med: Mediator) -> int:

@@ -1,0 +1,153 @@
+"""Several invokes in one batched forward, against separate plain runs as ground truth."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nnsight_lite
+from nnsight_lite import BatchingError, NNsight
+
+
+class Masked(torch.nn.Module):
+    """forward(x, mask, flag): a per-row mask and a non-batched flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x, mask=None, flag=True):
+        h = self.a(x)
+        if mask is not None:
+            h = h * mask
+        if flag:
+            h = h + 1
+        return self.b(h)
+
+
+class TestBatching:
+    def test_each_invoke_sees_its_rows(self, seq):
+        model = NNsight(seq)
+        x1, x2 = torch.randn(1, 6), torch.randn(3, 6)
+        with model.trace() as tracer:
+            with tracer.invoke(x1):
+                a = model[1].output.save()
+            with tracer.invoke(x2):
+                b = model[1].output.save()
+        torch.testing.assert_close(a, seq[1](seq[0](x1)))
+        torch.testing.assert_close(b, seq[1](seq[0](x2)))
+
+    def test_edits_touch_only_own_rows(self, seq):
+        model = NNsight(seq)
+        x1, x2 = torch.randn(2, 6), torch.randn(2, 6)
+        with model.trace() as tracer:
+            with tracer.invoke(x1):
+                model[1].output[:] = 0
+                o1 = model.output.save()
+            with tracer.invoke(x2):
+                model[2].output = model[2].output * 3
+                o2 = model.output.save()
+        torch.testing.assert_close(o1, seq[3](seq[2](torch.zeros(2, 6))))
+        torch.testing.assert_close(o2, seq[3](seq[2](seq[1](seq[0](x2))) * 3))
+
+    def test_invoke_without_input_sees_whole_batch(self, seq):
+        model = NNsight(seq)
+        x1, x2 = torch.randn(1, 6), torch.randn(2, 6)
+        with model.trace() as tracer:
+            with tracer.invoke(x1):
+                pass
+            with tracer.invoke(x2):
+                pass
+            with tracer.invoke():
+                everything = model.output.save()
+        torch.testing.assert_close(everything, seq(torch.cat([x1, x2])))
+
+    def test_later_invoke_uses_earlier_value_at_same_module(self, seq):
+        model = NNsight(seq)
+        clean, corrupt = torch.randn(1, 6), torch.randn(1, 6)
+        with model.trace() as tracer:
+            with tracer.invoke(clean):
+                emb = model[0].output
+            with tracer.invoke(corrupt):
+                model[0].output[:] = emb
+                patched = model.output.save()
+        torch.testing.assert_close(patched, seq(clean))
+
+    def test_trace_with_input_equals_one_invoke(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            a = model[2].output.save()
+        with model.trace() as tracer:
+            with tracer.invoke(x):
+                b = model[2].output.save()
+        torch.testing.assert_close(a, b)
+
+    def test_names_shared_and_saved_from_any_invoke(self, seq):
+        model = NNsight(seq)
+        with model.trace() as tracer:
+            with tracer.invoke(torch.randn(1, 6)):
+                first = model[0].output.save()
+            with tracer.invoke(torch.randn(1, 6)):
+                both = nnsight_lite.save([first.shape, model[0].output.shape])
+        assert first.shape == (1, 6) and len(both) == 2
+
+    def test_per_row_kwargs_batched(self):
+        torch.manual_seed(0)
+        net = Masked()
+        model = NNsight(net)
+        x1, x2 = torch.randn(2, 4), torch.randn(1, 4)
+        m1, m2 = torch.ones(2, 4), torch.zeros(1, 4)
+        with model.trace() as tracer:
+            with tracer.invoke(x1, mask=m1):
+                o1 = model.output.save()
+            with tracer.invoke(x2, mask=m2):
+                o2 = model.output.save()
+        torch.testing.assert_close(o1, net(x1, mask=m1))
+        torch.testing.assert_close(o2, net(x2, mask=m2))
+
+    def test_non_batched_kwarg_must_agree(self):
+        model = NNsight(Masked())
+        with pytest.raises(BatchingError, match=r"'flag'.*invoke 0 \(True\).*invoke 1 \(False\)"):
+            with model.trace() as tracer:
+                with tracer.invoke(torch.randn(1, 4), flag=True):
+                    pass
+                with tracer.invoke(torch.randn(1, 4), flag=False):
+                    pass
+
+    def test_mismatched_shapes_error_before_forward(self, seq):
+        model = NNsight(seq)
+        ran = []
+        h = seq[0].register_forward_hook(lambda *a: ran.append(1))
+        try:
+            with pytest.raises(BatchingError, match=r"invoke 0: \(1, 6\), invoke 1: \(1, 5\)"):
+                with model.trace() as tracer:
+                    with tracer.invoke(torch.randn(1, 6)):
+                        pass
+                    with tracer.invoke(torch.randn(1, 5)):
+                        pass
+        finally:
+            h.remove()
+        assert ran == []
+
+    def test_mismatched_dtypes(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(BatchingError, match="dtypes"):
+            with model.trace() as tracer:
+                with tracer.invoke(torch.randn(1, 6)):
+                    pass
+                with tracer.invoke(torch.randn(1, 6, dtype=torch.float64)):
+                    pass
+
+    def test_failing_invoke_is_named_and_cleaned_up(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(ValueError) as info:
+            with model.trace() as tracer:
+                with tracer.invoke(torch.randn(1, 6)):
+                    a = model[2].output.save()
+                with tracer.invoke(torch.randn(1, 6)):
+                    model[1].output
+                    raise ValueError("second invoke broke")
+        notes = getattr(info.value, "__notes__", [])
+        assert any("invoke 1" in n for n in notes), notes
