@@ -269,10 +269,11 @@ class Scope(dict):
     invokes of one trace share one Scope, so a later invoke sees what an earlier one bound.
     """
 
-    __slots__ = ("_locals", "_globals", "_builtins", "_on_missing")
+    __slots__ = ("_locals", "_globals", "_builtins", "_on_missing", "keep_all")
 
     def __init__(self, caller_locals, caller_globals, runtime: dict, on_missing):
         super().__init__()
+        self.keep_all = False  # a session's scope: traces inside it bind back every name
         self._on_missing = on_missing
         self._locals = caller_locals
         self._globals = caller_globals

@@ -10,6 +10,7 @@ import sys
 
 from .capture import (
     SAVE_NAME,
+    Scope,
     SkipBody,
     caller_scope,
     find_body,
@@ -29,11 +30,14 @@ class BodyContext:
     _what = "trace"
 
     def __enter__(self):
-        frame = sys._getframe(1)
+        self._capture(sys._getframe(1))
+        return self
+
+    def _capture(self, frame) -> None:
+        """Find the body of the with-statement ``frame`` is entering and arrange to skip it."""
         self._body = find_body(frame, self._what)
         self._frame = frame
         self._token = None if self._body.trivial else skip_body(frame)
-        return self
 
     def __exit__(self, exc_type, exc, tb):
         if self._token is not None:
@@ -57,7 +61,11 @@ class BodyContext:
             run(scope)
         finally:
             stack.pop()
-        values = {k: v for k, v in scope.own_items() if saved.get(id(v)) is v}
+        target = frame.f_locals
+        if isinstance(target, Scope) and target.keep_all:  # inside a session: keep everything
+            values = dict(scope.own_items())
+        else:
+            values = {k: v for k, v in scope.own_items() if saved.get(id(v)) is v}
         scope.clear()
         if stack:  # a trace nested in another body: its saves are saved there too
             stack[-1].update(saved)

@@ -12,7 +12,7 @@ import torch
 
 from .batching import batch_size_of, concat_inputs
 from .envoy import Envoy
-from .tracing import Tracer
+from .tracing import Editor, Session, Tracer
 
 
 class NNsight(Envoy):
@@ -30,6 +30,8 @@ class NNsight(Envoy):
     ``model(x)`` outside a trace is the plain forward. Subclasses change how inputs are prepared
     and batched by overriding ``_prepare_inputs``, ``_batch_inputs`` and ``_run_forward``.
     """
+
+    _edits: tuple = ()
 
     def __init__(self, module: torch.nn.Module):
         if not isinstance(module, torch.nn.Module):
@@ -55,6 +57,25 @@ class NNsight(Envoy):
                 nnsight_lite.save(shape)
         """
         return Tracer(self, inputs, kwargs, scan=True)
+
+    def session(self):
+        """``with model.session():`` - traces in a row sharing values; see :class:`Session`."""
+        return Session()
+
+    def edit(self, *, inplace: bool = False):
+        """``with model.edit() as edited:`` - a persistent edit; see :class:`Editor`."""
+        return Editor(self if inplace else self._copy())
+
+    def clear_edits(self) -> None:
+        """Remove every edit recorded on this model with ``edit``."""
+        self.__dict__["_edits"] = ()
+
+    def _copy(self) -> "NNsight":
+        """Another wrapper of the same module (same children), with its own edits."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.__dict__["_root"] = new
+        return new
 
     # ---- overridable input handling
 

@@ -11,11 +11,13 @@ inputs and runs the model once with every invoke body interleaved.
 from __future__ import annotations
 
 import itertools
+import sys
 
 from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patches backward)
-from .context import BodyContext
+from .capture import Scope
+from .context import RUNTIME, BodyContext
 from .errors import NNsightError
-from .interleaver import Interleaver, StopTrace, current_mediator
+from .interleaver import Interleaver, StopTrace, current_mediator, wait_for_name
 
 
 class Tracer(BodyContext):
@@ -91,6 +93,9 @@ class Tracer(BodyContext):
         args, kwargs, sizes = model._batch_inputs(prepared)
         total = sum(sizes)
         inter = Interleaver(model._module, total)
+        for body, snapshot, f_globals in model._edits:  # persistent edits run first
+            edit_scope = Scope(snapshot, f_globals, RUNTIME, wait_for_name)
+            inter.add(_body_runner(body.code, edit_scope), None, edit_scope)
         start = 0
         sized = iter(sizes)
         many = len(invokes) > 1
@@ -152,6 +157,62 @@ class Invoker(BodyContext):
 
     def _on_exit(self, frame):
         self._tracer._invokes.append(self)
+
+
+class Session(BodyContext):
+    """``with model.session():`` - several traces in a row that share their values.
+
+    Example::
+
+        with model.session():
+            with model.trace(x1):
+                h = model.layer1.output          # no .save() needed inside the session
+            with model.trace(x2):
+                model.layer1.output[:] = h
+                out = model.output.save()        # only saved values leave the session
+
+    Traces of other models may use the session's values too.
+    """
+
+    _what = "session"
+
+    def _on_exit(self, frame):
+        self._run_in_scope(frame, self._run)
+
+    def _run(self, scope):
+        scope.keep_all = True
+        try:
+            exec(self._body.code, scope)
+        except StopTrace:
+            pass
+
+
+class Editor(BodyContext):
+    """``with model.edit() as edited:`` - record the body as an edit applied on every trace.
+
+    Example::
+
+        with model.edit() as edited:
+            edited.layer1.output[:] = 0         # use `edited`, or `model` with inplace=True
+        with edited.trace(x):
+            out = edited.output.save()          # layer1 zeroed; model itself is unchanged
+
+    ``model.edit(inplace=True)`` edits ``model`` itself; ``model.clear_edits()`` removes all edits.
+    Edits run before the trace's own bodies, on the whole batch.
+    """
+
+    _what = "edit"
+
+    def __init__(self, target):
+        self._target = target
+
+    def __enter__(self):
+        self._capture(sys._getframe(1))
+        return self._target
+
+    def _on_exit(self, frame):
+        snapshot = dict(frame.f_locals)  # the caller's variables as the edit was written
+        self._target.__dict__["_edits"] = self._target._edits + ((self._body, snapshot, frame.f_globals),)
 
 
 class _IterIndexer:

@@ -1,0 +1,103 @@
+"""Sessions share values between traces; edits persist across traces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nnsight_lite import NNsight
+
+
+class TestSession:
+    def test_values_flow_between_traces_only_saved_leave(self, seq):
+        model = NNsight(seq)
+        x1, x2 = torch.randn(1, 6), torch.randn(1, 6)
+        with model.session():
+            with model.trace(x1):
+                h = model[1].output               # no save: usable later in the session
+            with model.trace(x2):
+                model[1].output[:] = h
+                out = model.output.save()
+        torch.testing.assert_close(out, seq(x1))
+        with pytest.raises(NameError):
+            h  # noqa: B018
+
+    def test_two_models_in_one_session(self, seq):
+        torch.manual_seed(3)
+        other = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 6))
+        a, b = NNsight(seq), NNsight(other)
+        x = torch.randn(2, 6)
+        with a.session():
+            with a.trace(x):
+                h = a[0].output
+            with b.trace(x):
+                b[0].output = h
+                out = b.output.save()
+        torch.testing.assert_close(out, other[1](seq[0](x)))
+
+
+class TestEdit:
+    def test_edit_applies_on_edited_not_on_model(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.edit() as edited:
+            edited[1].output[:] = 0
+        with edited.trace(x):
+            out = edited.output.save()
+        with model.trace(x):
+            plain = model.output.save()
+        torch.testing.assert_close(out, seq[3](seq[2](torch.zeros(2, 6))))
+        torch.testing.assert_close(plain, seq(x))
+
+    def test_edit_composes_with_trace_body(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        scale = 2.0
+        with model.edit() as edited:
+            edited[1].output[:] = edited[1].output * scale
+        with edited.trace(x):
+            seen = edited[1].output.clone().save()   # the trace sees the edited value
+            edited[2].output[:] = 1
+            out = edited.output.save()
+        torch.testing.assert_close(seen, seq[1](seq[0](x)) * 2)
+        torch.testing.assert_close(out, seq[3](torch.ones(2, 6)))
+
+    def test_inplace_and_clear(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.edit(inplace=True):
+            model[3].output = model[3].output * 0
+        with model.trace(x):
+            zeroed = model.output.save()
+        assert torch.all(zeroed == 0)
+        model.clear_edits()
+        with model.trace(x):
+            out = model.output.save()
+        torch.testing.assert_close(out, seq(x))
+
+
+class TestTraining:
+    def test_lora_adapter_trains_through_interventions(self, seq):
+        torch.manual_seed(0)
+        model = NNsight(seq)
+        for p in seq.parameters():
+            p.requires_grad_(False)
+        down = torch.nn.Parameter(torch.randn(6, 2) * 0.1)
+        up = torch.nn.Parameter(torch.zeros(2, 6))
+        opt = torch.optim.Adam([down, up], lr=0.05)
+        x, target = torch.randn(16, 6), torch.randn(16, 6)
+        losses = []
+        for _ in range(30):
+            with model.trace(x):
+                h = model[1].output
+                model[1].output = h + h @ down @ up
+                loss = ((model.output - target) ** 2).mean()
+                with loss.backward():
+                    pass
+                loss = loss.save()
+            losses.append(loss.item())
+            assert up.grad is not None and down.grad is not None
+            opt.step()
+            opt.zero_grad()
+        assert losses[-1] < losses[0] * 0.9
+        assert all(p.grad is None for p in seq.parameters())
