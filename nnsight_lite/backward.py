@@ -27,6 +27,7 @@ import torch
 
 from .capture import GRAD_NAME, SET_GRAD_NAME
 from .context import RUNTIME, BodyContext
+from .batching import merge
 from .errors import GradientError, OutOfOrderError
 from .interleaver import set_tls_state, tls_state, user_location
 
@@ -112,8 +113,13 @@ def set_grad(t, value) -> None:
     if ctx is None:
         t.grad = value
         return
+    rows = _rows_of(t)
     ctx.request(t)
-    ctx.cur_value = value
+    if rows is None:
+        ctx.cur_value = value
+    else:  # an invoke's rows of a batched activation: replace only those rows
+        full = ctx.cur_value
+        ctx.cur_value = merge(full, value, rows[1], rows[2], full.shape[0])
 
 
 RUNTIME[GRAD_NAME] = read_grad
@@ -230,6 +236,10 @@ class Backward(BodyContext):
     # ---- body side
 
     def request(self, t):
+        rows = _rows_of(t)
+        if rows is not None:  # an invoke's view of a batched activation: its rows of the grad
+            full = self.request(rows[0])
+            return full.narrow(0, rows[1], rows[2])
         if t is self.cur:
             return self.cur_value
         where = user_location()
@@ -264,6 +274,10 @@ class Backward(BodyContext):
             "was asked for, with no later tensor read in between). Check that the loss is "
             "computed from it, and read gradients in reverse execution order."
         )
+
+
+def _rows_of(t):
+    return getattr(t, "_nnsight_rows", None) if isinstance(t, torch.Tensor) else None
 
 
 def _seq_of(t):

@@ -24,9 +24,17 @@ def _is_batch_tensor(x, total: int) -> bool:
 
 
 def narrow(value: Any, start: int, size: int, total: int) -> Any:
-    """The rows ``start:start+size`` of every batch-shaped tensor inside ``value``."""
+    """The rows ``start:start+size`` of every batch-shaped tensor inside ``value``.
+
+    Each view remembers where it came from (``view._nnsight_rows = (base, start, size)``) so
+    that ``view.grad`` in a backward body can answer with its rows of the base's gradient.
+    """
     if isinstance(value, torch.Tensor):
-        return value.narrow(0, start, size) if _is_batch_tensor(value, total) else value
+        if not _is_batch_tensor(value, total):
+            return value
+        view = value.narrow(0, start, size)
+        view._nnsight_rows = (value, start, size)
+        return view
     return _map(value, lambda t: narrow(t, start, size, total))
 
 

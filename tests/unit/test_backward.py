@@ -198,3 +198,79 @@ class TestThreads:
         ref.retain_grad()
         seq[1](ref).sum().backward()
         torch.testing.assert_close(g, ref.grad)
+
+
+class TestInvokeRows:
+    def test_each_invokes_grad_is_its_rows(self, seq):
+        model = NNsight(seq)
+        x1, x2 = torch.randn(1, 6), torch.randn(2, 6)
+        with model.trace() as tracer:
+            with tracer.invoke(x1):
+                h1 = model[1].output
+            with tracer.invoke(x2):
+                h2 = model[1].output
+            with tracer.invoke():
+                loss = (model.output ** 2).sum()
+                with loss.backward():
+                    g1 = h1.grad.save()
+                    g2 = h2.grad.save()
+                    h2.grad = torch.zeros_like(h2.grad)
+        got = seq[0].weight.grad.clone()
+        seq.zero_grad()
+        hs = seq[1](seq[0](torch.cat([x1, x2])))
+        hs.retain_grad()
+        (seq[3](seq[2](hs)) ** 2).sum().backward()
+        torch.testing.assert_close(g1, hs.grad[:1])
+        torch.testing.assert_close(g2, hs.grad[1:])
+        # invoke 1's rows were zeroed: only invoke 0's rows reach layer 0's weight
+        seq.zero_grad()
+        h = seq[1](seq[0](torch.cat([x1, x2])))
+        h.register_hook(lambda g: torch.cat([g[:1], torch.zeros_like(g[1:])]))
+        (seq[3](seq[2](h)) ** 2).sum().backward()
+        torch.testing.assert_close(got, seq[0].weight.grad)
+
+
+class TestSeveralBackwards:
+    def test_retain_graph_then_second_block(self, seq):
+        x = torch.randn(2, 6)
+        model = NNsight(seq)
+        with model.trace(x):
+            h1 = model[1].output
+            out = model.output
+            with out.sum().backward(retain_graph=True):
+                ga = h1.grad.save()
+            with (out ** 2).sum().backward():
+                gb = h1.grad.save()
+        ref = seq[1](seq[0](x))
+        ref.retain_grad()
+        o = seq[3](seq[2](ref))
+        o.sum().backward(retain_graph=True)
+        want_a = ref.grad.clone()
+        ref.grad = None
+        (o ** 2).sum().backward()
+        torch.testing.assert_close(ga, want_a)
+        torch.testing.assert_close(gb, ref.grad)
+
+    def test_clip_one_modules_gradient_like_a_hook(self, seq):
+        x = torch.randn(4, 6) * 10
+        model = NNsight(seq)
+        with model.trace(x):
+            h2 = model[2].output
+            with (model.output ** 2).sum().backward():
+                h2.grad = h2.grad.clamp(-0.1, 0.1)
+        got = [p.grad.clone() for p in seq.parameters()]
+        seq.zero_grad()
+        h = seq[2](seq[1](seq[0](x)))
+        h.register_hook(lambda g: g.clamp(-0.1, 0.1))
+        (seq[3](h) ** 2).sum().backward()
+        for g, p in zip(got, seq.parameters()):
+            torch.testing.assert_close(g, p.grad)
+
+    def test_inference_mode_gives_gradient_error(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(GradientError, match="inference_mode"):
+            with torch.inference_mode():
+                with model.trace(torch.randn(2, 6)):
+                    loss = model.output.sum()
+                    with loss.backward():
+                        pass
