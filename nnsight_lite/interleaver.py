@@ -25,6 +25,8 @@ import contextvars
 import os
 import re
 import sys
+import threading
+import weakref
 from bisect import insort
 
 import greenlet
@@ -51,6 +53,7 @@ _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _is_inference = torch.is_inference_mode_enabled
 _is_autocast = torch.is_autocast_enabled
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 _set_autocast = torch.set_autocast_enabled
 
 
@@ -85,16 +88,58 @@ def wait_for_name(scope, name: str):
 
 
 class BodyGreenlet(greenlet.greenlet):
-    """A greenlet that runs one invoke body. ``mediator`` links it to its runtime state."""
+    """A worker greenlet that runs invoke bodies, one job at a time.
+
+    ``mediator`` links it to the body it runs now (None while idle in the pool). Workers are
+    reused across traces: handing a job to a waiting worker costs a switch, creating a greenlet
+    and running it for the first time costs several microseconds more.
+    """
 
     mediator: "Mediator | None" = None
+    error: "BaseException | None" = None
+
+
+_FINISHED = object()
+_pool = threading.local()
+_POOL_MAX = 64
+
+
+def _worker_main(job):
+    me = _getcurrent()
+    while True:
+        try:
+            job()
+        except BaseException as exc:  # handed to the parent, which re-raises it
+            me.error = exc
+        job = None
+        job = me.parent.switch(_FINISHED)
+
+
+def _take_worker() -> BodyGreenlet:
+    idle = getattr(_pool, "idle", None)
+    if idle:
+        w = idle.pop()
+        w.parent = _getcurrent()
+        return w
+    return BodyGreenlet(_worker_main, _getcurrent())
+
+
+def _release_worker(w: BodyGreenlet) -> None:
+    w.mediator = None
+    idle = getattr(_pool, "idle", None)
+    if idle is None:
+        idle = _pool.idle = []
+    if len(idle) < _POOL_MAX:
+        idle.append(w)
 
 
 # --------------------------------------------------------------------------- thread-local state
 
 
 def tls_state():
-    return (_is_grad_enabled(), _is_inference(), _is_autocast("cpu"), _is_autocast("cuda"))
+    if _any_autocast():
+        return (_is_grad_enabled(), _is_inference(), _is_autocast("cpu"), _is_autocast("cuda"))
+    return (_is_grad_enabled(), _is_inference(), False, False)
 
 
 def set_tls_state(state, now) -> None:
@@ -140,10 +185,13 @@ def current_mediator(envoy=None, what: str = "output") -> "Mediator":
 class Slot:
     """Per-trace state of one module: its call counters and the bodies waiting on it."""
 
-    __slots__ = ("module", "parent", "attr", "calls", "outs", "wait_in", "wait_out", "prev_forward")
+    __slots__ = ("module", "parent", "attr", "calls", "outs", "wait_in", "wait_out",
+                 "prev_forward", "orig", "wrapper")
 
     def __init__(self, module, parent, attr):
         self.module = module
+        self.orig = None  # the forward the wrapper calls (set at every install)
+        self.wrapper = None
         self.parent = parent  # the Slot of the module that holds this one (None at the root)
         self.attr = attr  # this module's name in its parent
         self.calls = 0  # calls whose input stage has begun
@@ -194,29 +242,31 @@ class Mediator:
     # ---- parent side
 
     def start(self) -> None:
-        parent = _getcurrent()
-        g = BodyGreenlet(self._main, parent)
+        g = _take_worker()
         g.mediator = self
         g.gr_context = contextvars.copy_context()
         self.greenlet = g
-        self.parent = parent
-        self.interleaver.register(self, self.resume(None))
+        self.parent = g.parent
+        self.interleaver.register(self, self.resume(self.run_fn))
         self.interleaver.wake()
-
-    def _main(self, _):
-        self.run_fn()
-        return _DONE
 
     def resume(self, value, throw: BaseException | None = None):
         """Switch into the body (sending ``value`` or throwing ``throw``); return its request."""
         parent_state = tls_state()
         if self.tls is not None and self.tls != parent_state:
             set_tls_state(self.tls, parent_state)
+        g = self.greenlet
         try:
-            if throw is None:
-                req = self.greenlet.switch(value)
-            else:
-                req = self.greenlet.throw(throw)
+            req = g.switch(value) if throw is None else g.throw(throw)
+            if req is _FINISHED:  # the body ended; its worker goes back to the pool
+                err, g.error = g.error, None
+                _release_worker(g)
+                self.done = True
+                self.pending = None
+                if err is None:
+                    req = _DONE
+                else:
+                    raise err
         except BaseException as exc:
             self.done = True
             self.pending = None
@@ -414,21 +464,42 @@ class Interleaver:
                     exc = med.missed_error()
                 self.register(med, med.resume(None, exc))
 
+    def end_iterations(self) -> None:
+        """End the open ``tracer.iter``/``tracer.all()`` loops of waiting bodies now.
+
+        For wrappers whose forward goes on after the model's last module call (generate serves
+        ``model.generator.output`` last): code after such a loop can then still read it.
+        """
+        for med in self.mediators:
+            while not med.done and type(med.pending) is tuple:
+                slot, kind, call = med.pending
+                if not (med.iter_depth and call > 0 and slot.calls > 0):
+                    break
+                table = slot.wait_out if kind is OUTPUT else slot.wait_in
+                table[call].remove(med)
+                if not table[call]:
+                    del table[call]
+                self.register(med, med.resume(None, IterationEnd()))
+
     def _kill_all(self) -> None:
+        """Unwind every body still suspended (its ``finally`` blocks run) and free its worker."""
         for med in self.mediators:
             g = med.greenlet
             for _ in range(3):
-                if g is None or g.dead:
+                if med.done or g is None:
                     break
                 try:
-                    g.throw(greenlet.GreenletExit)
+                    if g.throw(greenlet.GreenletExit) is _FINISHED:
+                        g.error = None
+                        _release_worker(g)
+                        med.done = True
                 except BaseException:  # a body's cleanup failing must not mask the real outcome
                     pass
             med.done = True
             med.scope = None
 
     def register(self, med: Mediator, req) -> None:
-        if req is _DONE or med.greenlet.dead:
+        if req is _DONE or med.done:
             med.done = True
             med.pending = None
             return
@@ -469,9 +540,22 @@ class Interleaver:
     # ---- wrappers
 
     def _install(self) -> None:
-        """Wrap ``forward`` of every module of the model (each module once, pre-order)."""
+        """Wrap ``forward`` of every module of the model (each module once, pre-order).
+
+        Slots and their wrappers are kept per model between traces (``_Plan``) and reused
+        when the same module sits at the same place: a trace then only resets counters and
+        swaps ``forward`` entries. The walk itself runs every time, so a changed module tree
+        is always seen.
+        """
+        plan = _plans.get(self.root)
+        if plan is None or plan.inter is not None:  # first trace, or one nested in another
+            plan = _Plan()
+            if self.root not in _plans:
+                _plans[self.root] = plan
+        plan.inter = self
+        self._plan = plan
+        old = plan.slots
         slots = self.slots
-        wrap = self._wrap
         stack = [(self.root, None, "")]
         pop, push = stack.pop, stack.extend
         while stack:
@@ -479,14 +563,24 @@ class Interleaver:
             key = id(module)
             if key in slots:
                 continue
-            slot = Slot(module, parent, attr)
+            slot = old.get(key)
+            if slot is None or slot.module is not module:
+                slot = Slot(module, parent, attr)
+                slot.wrapper = _wrapper(slot, plan)
+            else:
+                slot.parent = parent
+                slot.attr = attr
+                slot.calls = slot.outs = 0
             d = module.__dict__
-            slot.prev_forward = d.get("forward", _MISSING)
-            d["forward"] = wrap(slot, module.forward)
+            prev = d.get("forward", _MISSING)
+            slot.prev_forward = prev
+            slot.orig = module.forward
+            d["forward"] = slot.wrapper
             slots[key] = slot
             children = module._modules
             if children:
                 push([(c, slot, n) for n, c in reversed(children.items()) if c is not None])
+        plan.slots = slots
 
     def _uninstall(self) -> None:
         for slot in self.slots.values():
@@ -495,28 +589,12 @@ class Interleaver:
                 d.pop("forward", None)
             else:
                 d["forward"] = slot.prev_forward
-
-    def _wrap(self, slot: Slot, orig):
-        runner = self.runner
-        serve_input = self._serve_input
-        serve_output = self._serve_output
-
-        def forward(*args, **kwargs):
-            if _getcurrent() is not runner:  # a body calling a module itself: not counted
-                return orig(*args, **kwargs)
-            call = slot.calls
-            slot.calls = call + 1
-            if slot.wait_in and call in slot.wait_in:
-                args, kwargs, out = serve_input(slot, call, args, kwargs, orig)
-            else:
-                out = orig(*args, **kwargs)
-            slot.outs += 1
-            if slot.wait_out and call in slot.wait_out:
-                out = serve_output(slot, call, out)
-            return out
-
-        forward.__wrapped__ = orig
-        return forward
+            slot.prev_forward = None
+            slot.wait_in.clear()
+            slot.wait_out.clear()
+        plan = getattr(self, "_plan", None)
+        if plan is not None:
+            plan.inter = None
 
     def _serve_output(self, slot: Slot, call: int, out):
         key = (slot, OUTPUT, call)
@@ -530,7 +608,7 @@ class Interleaver:
             self.serving = None
         return out
 
-    def _serve_input(self, slot: Slot, call: int, args, kwargs, orig):
+    def _serve_input(self, slot: Slot, call: int, args, kwargs):
         """Serve the input stage, run the module (unless a body skipped it), return its output."""
         key = (slot, INPUT, call)
         self.position = self.serving = key
@@ -551,10 +629,46 @@ class Interleaver:
         finally:
             self.serving = None
         args, kwargs = value
-        out = orig(*args, **kwargs) if whole is _MISSING else whole
+        out = slot.orig(*args, **kwargs) if whole is _MISSING else whole
         for (start, size), part in partial:
             out = batching.merge(out, part, start, size, self.total)
         return args, kwargs, out
+
+
+class _Plan:
+    """A model's slots and wrappers, reused by its next trace. ``inter`` is the running trace."""
+
+    __slots__ = ("slots", "inter", "__weakref__")
+
+    def __init__(self):
+        self.slots = {}
+        self.inter = None
+
+
+_plans: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan]" = weakref.WeakKeyDictionary()
+
+
+def _wrapper(slot: Slot, plan: _Plan):
+    """The ``forward`` installed on ``slot.module`` while a trace of its model runs."""
+
+    def forward(*args, **kwargs):
+        inter = plan.inter
+        if inter is None or _getcurrent() is not inter.runner:
+            # a body calling a module itself (not counted), or a call outside the trace
+            return slot.orig(*args, **kwargs)
+        call = slot.calls
+        slot.calls = call + 1
+        if slot.wait_in and call in slot.wait_in:
+            args, kwargs, out = inter._serve_input(slot, call, args, kwargs)
+        else:
+            out = slot.orig(*args, **kwargs)
+        slot.outs += 1
+        if slot.wait_out and call in slot.wait_out:
+            out = inter._serve_output(slot, call, out)
+        return out
+
+    forward.__wrapped__ = slot  # marks a traced forward (the test suite looks for leftovers)
+    return forward
 
 
 def _note(exc: BaseException, text: str) -> None:
