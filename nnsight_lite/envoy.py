@@ -63,6 +63,17 @@ def _tensor_save(self):
 torch.Tensor.save = _tensor_save
 
 
+def _old_value(self):
+    raise AttributeError(
+        "'Tensor' object has no attribute 'value': in nnsight_lite module values are real "
+        "tensors already, so drop `.value` (nnsight's proxies needed it; these do not)"
+    )
+
+
+if not hasattr(torch.Tensor, "value"):
+    torch.Tensor.value = property(_old_value)
+
+
 class Envoy:
     """A module as seen from a trace body.
 

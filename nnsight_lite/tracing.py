@@ -58,6 +58,13 @@ class Tracer(BodyContext):
         """End the model's forward here. Values saved so far are kept; later modules do not run."""
         raise StopTrace()
 
+    def cond(self, *args, **kwargs):
+        """Old nnsight idiom: bodies run eagerly here, so a plain ``if`` does the job."""
+        raise NNsightError(
+            "tracer.cond(...) is not needed in nnsight_lite: bodies run eagerly on real tensors, "
+            "so write a plain `if model.layer.output.sum() > 0:` instead"
+        )
+
     def all(self):
         """Loop over every call of the modules a body reads: ``for step in tracer.all():``."""
         return _iterate(slice(None))
@@ -110,7 +117,12 @@ class Tracer(BodyContext):
         if self._scan:
             _run_fake(inter, model, args, kwargs)
         else:
-            inter.run(lambda: model._run_forward(args, kwargs))
+            inter.run(lambda: self._forward(inter, args, kwargs))
+
+    def _forward(self, inter: Interleaver, args: tuple, kwargs: dict):
+        """What runs under the interleaver: the model's forward (``model.generate`` runs HF
+        generate instead; see language.py)."""
+        return self.model._run_forward(args, kwargs)
 
 
 def _body_runner(code, scope):

@@ -1,0 +1,109 @@
+"""The Envoy tree mirrors the module: children, indexing, iteration, attributes, printing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nnsight_lite import Envoy, NNsight, NNsightError
+
+
+class TestTree:
+    def test_children_and_indexing(self, net):
+        model = NNsight(net)
+        assert isinstance(model.layers, Envoy)
+        assert model.layers[0]._module is net.layers[0]
+        assert model.layers[-1]._module is net.layers[2]
+        assert model.layers[-1]._path == "model.layers[-1]"
+        assert [e._module for e in model.layers] == list(net.layers)
+        assert len(model.layers) == 3
+        assert [e._module for e in model.layers[0:2]] == list(net.layers[0:2])
+
+    def test_sequential_root(self, seq):
+        model = NNsight(seq)
+        assert len(model) == 4 and model[2]._module is seq[2]
+        assert model[1] is model[1]  # cached
+
+    def test_module_dict(self):
+        md = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2)})
+        model = NNsight(torch.nn.Sequential(md))
+        assert model[0]["a"]._module is md["a"]
+        assert list(model[0]) == ["a"]
+
+    def test_other_attributes_pass_through(self, net):
+        model = NNsight(net)
+        assert model.inp.weight is net.inp.weight
+        assert model.inp.in_features == 8
+        assert model.training is True
+        model.eval()
+        assert net.training is False
+        assert list(model.parameters()) == list(net.parameters())
+
+    def test_setattr_passes_to_module(self, net):
+        model = NNsight(net)
+        new = torch.nn.Linear(8, 2)
+        model.head = new
+        assert net.head is new
+        assert model.head._module is new
+
+    def test_print_shows_module_tree(self, net):
+        assert repr(NNsight(net)) == repr(net)
+
+    def test_dir_lists_children(self, net):
+        assert {"layers", "inp", "head", "trace"} <= set(dir(NNsight(net)))
+
+    def test_wrapping_a_non_module(self):
+        with pytest.raises(TypeError, match="torch.nn.Module"):
+            NNsight(lambda x: x)
+
+    def test_calling_envoy_calls_module(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        torch.testing.assert_close(model[0](x), seq[0](x))
+
+
+class TestSkip:
+    def test_skip_uses_value_instead_of_running(self):
+        ran = []
+
+        class Recording(torch.nn.Linear):
+            def forward(self, x):
+                ran.append(1)
+                return super().forward(x)
+
+        torch.manual_seed(0)
+        seq = torch.nn.Sequential(torch.nn.Linear(6, 6), Recording(6, 6), torch.nn.Linear(6, 6))
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            model[1].skip(torch.ones(2, 6))
+            out = model.output.save()
+        assert ran == []
+        torch.testing.assert_close(out, seq[2](torch.ones(2, 6)))
+
+
+class TestAutocastState:
+    def test_autocast_in_body_does_not_leak_into_model(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                a = model[0].output
+            out = model[3].output.save()
+        assert out.dtype == torch.float32
+        assert not torch.is_autocast_enabled("cpu")
+
+
+class TestOldIdioms:
+    def test_value_attribute_explains(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(AttributeError, match=r"drop `\.value`"):
+            with model.trace(torch.randn(1, 6)):
+                h = model[0].output.value
+
+    def test_tracer_cond_explains(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(NNsightError, match="plain `if model"):
+            with model.trace(torch.randn(1, 6)) as tracer:
+                with tracer.cond(model[0].output.sum() > 0):
+                    pass
