@@ -156,3 +156,22 @@ class TestBodySyntax:
         x = torch.randn(2, 6)
         with pytest.raises(BodySyntaxError, match="on its own indented lines"):
             with model.trace(x): h = model[0].output.save()  # noqa: E701,F841
+
+
+def test_piped_stdin_has_no_source():
+    """Code piped into `python -` has no source to read: a clear error, not a hang."""
+    import subprocess
+    import sys
+
+    code = textwrap.dedent("""
+        import torch
+        from nnsight_lite import NNsight
+        model = NNsight(torch.nn.Linear(2, 2))
+        with model.trace(torch.randn(1, 2)):
+            h = model.output.save()
+    """)
+    proc = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "SourceUnavailableError" in proc.stderr
+    assert "no source for '<stdin>'" in proc.stderr and "Jupyter" in proc.stderr
