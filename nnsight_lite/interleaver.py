@@ -36,6 +36,7 @@ from . import batching
 from .capture import IterationEnd
 from .errors import (
     InferenceModeSwitchError,
+    NNsightError,
     MissedModuleError,
     OutOfOrderError,
     OutsideTraceError,
@@ -206,6 +207,12 @@ class Slot:
             return ""
         up = self.parent.name
         return f"{up}.{self.attr}" if up else self.attr
+
+    @property
+    def __wrapped__(self):
+        """The wrapped forward, so ``inspect.signature(module.forward)`` during a trace sees the
+        real parameters (HF ``generate`` inspects them) through ``wrapper.__wrapped__ = slot``."""
+        return self.orig
 
     def label(self) -> str:
         """The module path as users write it: ``model.layers[1].mlp``."""
@@ -401,6 +408,7 @@ class Interleaver:
         self.mediators: list[Mediator] = []
         self.slots: dict[int, Slot] = {}
         self.runner = None
+        self.thread = threading.get_ident()
         self.position = None
         self.serving = None
         self.name_waiters: list[Mediator] = []
@@ -548,6 +556,13 @@ class Interleaver:
         is always seen.
         """
         plan = _plans.get(self.root)
+        if plan is not None and plan.inter is not None and plan.inter.thread != self.thread:
+            raise NNsightError(
+                f"this model ({type(self.root).__name__}) is being traced by another thread right "
+                "now; traces of one model cannot overlap across threads (its modules' forward "
+                "methods are swapped for the trace). Trace separate model objects per thread, "
+                "or take turns with a lock."
+            )
         if plan is None or plan.inter is not None:  # first trace, or one nested in another
             plan = _Plan()
             if self.root not in _plans:
