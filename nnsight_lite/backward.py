@@ -29,7 +29,14 @@ from .capture import GRAD_NAME, SET_GRAD_NAME
 from .context import RUNTIME, BodyContext
 from .batching import merge
 from .errors import GradientError, OutOfOrderError
-from .interleaver import set_tls_state, tls_state, user_location
+from .interleaver import (
+    _FINISHED,
+    _release_worker,
+    _take_worker,
+    set_tls_state,
+    tls_state,
+    user_location,
+)
 
 _original_backward = torch.Tensor.backward
 _DONE = object()
@@ -73,12 +80,6 @@ def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=
 
 backward.__nnsight_lite__ = True
 torch.Tensor.backward = backward
-
-
-class GradGreenlet(greenlet.greenlet):
-    """Runs one backward body. ``grads`` links it to its runtime state."""
-
-    grads: "Backward | None" = None
 
 
 def _current_backward():
@@ -169,32 +170,29 @@ class Backward(BodyContext):
             )
         code = self._body.code
         self._runner = greenlet.getcurrent()
-        def run(_):
-            exec(code, scope)
-            return _DONE
-
-        g = GradGreenlet(run, self._runner)
+        g = _take_worker()
         g.grads = self
         g.gr_context = contextvars.copy_context()
         self._greenlet = g
+        self._done = False
         self._handles = []
         saved_state = tls_state()
         try:
-            self._register(self._resume(None))
+            self._register(self._resume(lambda: exec(code, scope)))
             with torch.autograd.set_multithreading_enabled(False):
                 _original_backward(loss, *self._args)
             self._finished = True
-            while not g.dead and self._pending is not None:
+            while not self._done and self._pending is not None:
                 self._register(self._resume(None, self._missed_error()))
         finally:
             self._finished = True
             for h in self._handles:
                 h.remove()
             for _ in range(3):
-                if g.dead:
+                if self._done:
                     break
                 try:
-                    g.throw(greenlet.GreenletExit)
+                    self._resume(None, greenlet.GreenletExit())
                 except BaseException:
                     pass
             now = tls_state()
@@ -202,14 +200,24 @@ class Backward(BodyContext):
                 set_tls_state(saved_state, now)
 
     def _resume(self, value, throw=None):
+        """Switch into the body; return its next request, or _DONE when it has ended."""
         g = self._greenlet
-        return g.switch(value) if throw is None else g.throw(throw)
+        req = g.switch(value) if throw is None else g.throw(throw)
+        if req is _FINISHED:
+            err, g.error = g.error, None
+            g.grads = None
+            _release_worker(g)
+            self._done = True
+            if err is not None and not isinstance(err, greenlet.GreenletExit):
+                raise err
+            return _DONE
+        return req
 
     def _register(self, req):
-        if req is _DONE or self._greenlet.dead:
+        if req is _DONE:
             self._pending = None
             return
-        t, where = req
+        t = req
         self._pending = req
         self._handles.append(t.register_hook(functools.partial(self._hook, t)))
 
@@ -219,7 +227,7 @@ class Backward(BodyContext):
                 "a gradient hook fired on a thread other than the one running the backward; "
                 "nnsight_lite runs backward with autograd multithreading off to prevent this"
             )
-        if self._pending is None or self._pending[0] is not t:
+        if self._pending is not t:
             return None
         value = grad.clone()
         self.cur = t
@@ -242,32 +250,37 @@ class Backward(BodyContext):
             return full.narrow(0, rows[1], rows[2])
         if t is self.cur:
             return self.cur_value
+        if not isinstance(t, torch.Tensor) or not t.requires_grad or self._finished:
+            raise self._bad_request(t)
+        seq = _seq_of(t)
+        if self._seq is not None and seq is not None and seq > self._seq:
+            raise OutOfOrderError(
+                f".grad of {_describe(t)} was read at {user_location()}, but backprop has already "
+                "passed it: it was computed after the tensor whose gradient was read last. "
+                "Gradients arrive in reverse execution order: read the later layer's .grad first."
+            )
+        return greenlet.getcurrent().parent.switch(t)
+
+    def _bad_request(self, t) -> GradientError:
         where = user_location()
         if not isinstance(t, torch.Tensor):
-            raise GradientError(f".grad was read at {where} on a {type(t).__name__}, not a tensor")
+            return GradientError(f".grad was read at {where} on a {type(t).__name__}, not a tensor")
         if not t.requires_grad:
-            raise GradientError(
+            return GradientError(
                 f"{_describe(t)} at {where} does not require grad, so it has no gradient in this "
                 "backward. It was computed under torch.no_grad()/inference_mode or from tensors "
                 "that do not require grad: call .requires_grad_(True) on it (or on the input) "
                 "during the forward, before it is used."
             )
-        if self._finished:
-            raise GradientError(
-                f".grad of {_describe(t)} was read at {where} after the backward pass finished; "
-                "read gradients inside the `with loss.backward():` body"
-            )
-        seq = _seq_of(t)
-        if self._seq is not None and seq is not None and seq > self._seq:
-            raise OutOfOrderError(
-                f".grad of {_describe(t)} was read at {where}, but backprop has already passed "
-                f"it: it was computed after the tensor whose gradient was read last. Gradients "
-                "arrive in reverse execution order: read the later layer's .grad first."
-            )
-        return greenlet.getcurrent().parent.switch((t, where))
+        return GradientError(
+            f".grad of {_describe(t)} was read at {where} after the backward pass finished; "
+            "read gradients inside the `with loss.backward():` body"
+        )
 
     def _missed_error(self):
-        t, where = self._pending
+        t = self._pending
+        g = self._greenlet
+        where = user_location(g.gr_frame) if g.gr_frame is not None else "<unknown>"
         return GradientError(
             f".grad of {_describe(t)} was read at {where}, but backprop never reached it: the "
             "tensor is not part of this loss's graph (or its gradient was computed before it "

@@ -107,14 +107,16 @@ def batch_size_of(args: tuple, kwargs: dict) -> int:
     return 1
 
 
-def concat_inputs(inputs: list[tuple[tuple, dict]]) -> tuple[tuple, dict, list[int]]:
+def concat_inputs(inputs: list[tuple[tuple, dict]], sizes: list[int] | None = None
+                  ) -> tuple[tuple, dict, list[int]]:
     """Concatenate several invokes' ``(args, kwargs)`` along dim 0.
 
     Tensors are concatenated; any other value must be equal in every invoke. Returns the batched
     args, kwargs, and each invoke's batch size. Raises ``BatchingError`` naming the invokes
     and shapes when they cannot be combined.
     """
-    sizes = [batch_size_of(a, k) for a, k in inputs]
+    if sizes is None:
+        sizes = [batch_size_of(a, k) for a, k in inputs]
     if len(inputs) == 1:
         return inputs[0][0], inputs[0][1], sizes
     n_args = {len(a) for a, _ in inputs}

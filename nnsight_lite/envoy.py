@@ -199,9 +199,12 @@ class Envoy:
 
     def __getitem__(self, key):
         items = self._items
-        env = items.get(key) if not isinstance(key, slice) else None
-        if env is not None and env._module is self._module[key]:
-            return env
+        hit = items.get(key) if not isinstance(key, slice) else None
+        if hit is not None:  # still the same module at that position?
+            env, name, length = hit
+            children = self._module._modules
+            if len(children) == length and children.get(name) is env._module:
+                return env
         try:
             sub = self._module[key]
         except (IndexError, KeyError, TypeError) as exc:
@@ -214,7 +217,10 @@ class Envoy:
         if not isinstance(sub, torch.nn.Module):
             return sub
         env = Envoy(sub, f"{self._path}[{key!r}]", self._root)
-        items[key] = env
+        children = self._module._modules
+        name = next((n for n, m in children.items() if m is sub), None)
+        if name is not None:
+            items[key] = (env, name, len(children))
         return env
 
     def __iter__(self):

@@ -96,7 +96,8 @@ class BodyGreenlet(greenlet.greenlet):
     and running it for the first time costs several microseconds more.
     """
 
-    mediator: "Mediator | None" = None
+    mediator: "Mediator | None" = None  # the invoke body it runs now
+    grads = None  # or the backward.Backward whose body it runs now
     error: "BaseException | None" = None
 
 

@@ -88,7 +88,7 @@ class NNsight(Envoy):
         if len(prepared) == 1:
             args, kwargs, size = prepared[0]
             return args, kwargs, [size]
-        return concat_inputs([(a, k) for a, k, _ in prepared])
+        return concat_inputs([(a, k) for a, k, _ in prepared], [n for _, _, n in prepared])
 
     def _run_forward(self, args: tuple, kwargs: dict):
         return self._module(*args, **kwargs)

@@ -34,7 +34,7 @@ def _leftovers():
                 bad.append(f"traced forward left on {type(obj).__name__}")
             if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks"):
                 bad.append(f"hook left on {type(obj).__name__}")
-        elif issubclass(t, BodyGreenlet) and obj and not obj.dead and obj.mediator is not None:
+        elif issubclass(t, BodyGreenlet) and obj and not obj.dead and (obj.mediator or obj.grads):
             bad.append("suspended body greenlet (idle pooled workers have no mediator)")
     return bad
 
