@@ -103,6 +103,8 @@ class BodyGreenlet(greenlet.greenlet):
 
 _FINISHED = object()
 _pool = threading.local()
+#: ``depth`` > 0 while a trace without inputs runs its body to collect invokes (this thread)
+_collecting = threading.local()
 _POOL_MAX = 64
 
 
@@ -173,6 +175,12 @@ def current_mediator(envoy=None, what: str = "output") -> "Mediator":
     med = getattr(_getcurrent(), "mediator", None)
     if med is None:
         where = envoy._path if envoy is not None else "a module"
+        if getattr(_collecting, "depth", 0):
+            raise OutsideTraceError(
+                f"{where}.{what} was read at {user_location()}, in the body of a trace that was "
+                "given no inputs. Such a body only sets up invokes: read module values inside a "
+                "`with tracer.invoke(...):` block, or pass the inputs to model.trace(...)."
+            )
         raise OutsideTraceError(
             f"{where}.{what} was read outside a trace body (at {user_location()}). Module values "
             "exist only while the model runs: read them inside `with model.trace(...):` (or a "

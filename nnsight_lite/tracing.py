@@ -17,7 +17,7 @@ from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patch
 from .capture import Scope
 from .context import RUNTIME, BodyContext
 from .errors import NNsightError
-from .interleaver import Interleaver, StopTrace, current_mediator, wait_for_name
+from .interleaver import Interleaver, StopTrace, _collecting, current_mediator, wait_for_name
 
 
 class Tracer(BodyContext):
@@ -80,12 +80,14 @@ class Tracer(BodyContext):
             invokes = [(self._args, self._kwargs, self._body)]
         else:
             self._collecting = True
+            _collecting.depth = getattr(_collecting, "depth", 0) + 1
             try:
                 exec(self._body.code, scope)
             except StopTrace:
                 return
             finally:
                 self._collecting = False
+                _collecting.depth -= 1
             invokes = [(inv._args, inv._kwargs, inv._body) for inv in self._invokes]
             self._invokes = []
             if not invokes:

@@ -174,3 +174,10 @@ class TestTorchModes:
             with model.trace(x):
                 h = model[3].output.save()
         torch.testing.assert_close(h, seq(x))
+
+
+def test_reading_values_in_a_trace_without_inputs(seq):
+    model = NNsight(seq)
+    with pytest.raises(OutsideTraceError, match=r"trace that was given no inputs.*tracer\.invoke"):
+        with model.trace() as tracer:
+            model[0].output
