@@ -153,6 +153,7 @@ class Backward(BodyContext):
         self._seq = None
         self._finished = False
         self._pending = None
+        self._kill = None
 
     def _on_exit(self, frame):
         self._run_in_scope(frame, self._run)
@@ -191,8 +192,9 @@ class Backward(BodyContext):
             for _ in range(3):
                 if self._done:
                     break
+                self._kill = greenlet.GreenletExit()
                 try:
-                    self._resume(None, greenlet.GreenletExit())
+                    self._resume(None, self._kill)
                 except BaseException:
                     pass
             now = tls_state()
@@ -208,7 +210,7 @@ class Backward(BodyContext):
             g.grads = None
             _release_worker(g)
             self._done = True
-            if err is not None and not isinstance(err, greenlet.GreenletExit):
+            if err is not None and err is not self._kill:  # not the exit we threw in ourselves
                 raise err
             return _DONE
         return req

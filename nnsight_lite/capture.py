@@ -299,6 +299,15 @@ class Scope(dict):
             pass
         return self._on_missing(self, name)  # an earlier invoke may still bind it
 
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is bound here or in an enclosing Scope (another body's names)."""
+        scope = self
+        while isinstance(scope, Scope):
+            if dict.__contains__(scope, name):
+                return True
+            scope = scope._locals
+        return False
+
     def own_items(self):
         """The names the body itself bound (not the two internal entries)."""
         for k, v in dict.items(self):

@@ -85,7 +85,7 @@ def wait_for_name(scope, name: str):
     if med is None or med.scope is not scope or not med.interleaver.earlier_alive(med):
         raise KeyError(name)
     med.parent.switch(NameWait(name))
-    return dict.__getitem__(scope, name)
+    return scope[name]
 
 
 class BodyGreenlet(greenlet.greenlet):
@@ -254,6 +254,8 @@ class Mediator:
         self.iteration = 0
         self.iter_depth = 0
         self.offsets = {}
+        self.shared = None  # the trace's scope, where this invoke publishes what it binds
+        self.snapshot = None  # the trace body's names as of this invoke
 
     # ---- parent side
 
@@ -292,6 +294,8 @@ class Mediator:
             if isinstance(exc, Exception) and len(self.interleaver.mediators) > 1:
                 _note(exc, f"nnsight_lite: raised in the body of invoke {self.index} of this trace")
             raise
+        if self.shared is not None:
+            self.publish()
         now = tls_state()
         self.tls = now
         if now != parent_state:
@@ -304,6 +308,15 @@ class Mediator:
                     "instead, or use torch.no_grad() in the body."
                 ))
         return req
+
+    def publish(self) -> None:
+        """Copy the names this invoke has bound into the trace's shared scope, so later
+        invokes (and the write-back after the trace) see them."""
+        snap = self.snapshot
+        shared = self.shared
+        for k, v in self.scope.own_items():
+            if snap.get(k, _MISSING) is not v:
+                dict.__setitem__(shared, k, v)
 
     def serve(self, key, full):
         """Give the body its view of ``full`` at ``key``; return ``full`` with its edits applied."""
@@ -543,7 +556,7 @@ class Interleaver:
         while self.name_waiters:
             for med in self.name_waiters:
                 name = med.pending.name
-                if name in med.scope:
+                if med.scope.knows(name):
                     exc = None
                     break
                 if not self.earlier_alive(med):

@@ -77,7 +77,7 @@ class Tracer(BodyContext):
     def _run(self, scope):
         model = self.model
         if self._args or self._kwargs:
-            invokes = [(self._args, self._kwargs, self._body)]
+            invokes = [(self._args, self._kwargs, self._body, None)]
         else:
             self._collecting = True
             _collecting.depth = getattr(_collecting, "depth", 0) + 1
@@ -88,11 +88,11 @@ class Tracer(BodyContext):
             finally:
                 self._collecting = False
                 _collecting.depth -= 1
-            invokes = [(inv._args, inv._kwargs, inv._body) for inv in self._invokes]
+            invokes = [(inv._args, inv._kwargs, inv._body, inv._snapshot) for inv in self._invokes]
             self._invokes = []
             if not invokes:
                 return
-        with_input = [(a, k) for a, k, _ in invokes if a or k]
+        with_input = [(a, k) for a, k, _, _ in invokes if a or k]
         if not with_input:
             raise NNsightError(
                 "none of this trace's invokes has an input, so there is nothing to run the "
@@ -108,14 +108,22 @@ class Tracer(BodyContext):
         start = 0
         sized = iter(sizes)
         many = len(invokes) > 1
-        for a, k, body in invokes:
+        for a, k, body, snapshot in invokes:
             if a or k:
                 size = next(sized)
                 batch = (start, size) if many else None
                 start += size
             else:
                 batch = None
-            inter.add(_body_runner(body.code, scope), batch, scope)
+            if snapshot is None:  # the trace's own body: it runs in the trace's scope
+                inter.add(_body_runner(body.code, scope), batch, scope)
+                continue
+            # Each invoke has its own scope: the trace body's names as of the invoke, then what
+            # it binds itself; what other invokes bind reaches it through the shared `scope`.
+            own = Scope(scope, scope._globals, RUNTIME, wait_for_name)
+            dict.update(own, snapshot)
+            med = inter.add(_body_runner(body.code, own), batch, own)
+            med.shared, med.snapshot = scope, snapshot
         if self._scan:
             _run_fake(inter, model, args, kwargs)
         else:
@@ -170,6 +178,9 @@ class Invoker(BodyContext):
         self._kwargs = kwargs
 
     def _on_exit(self, frame):
+        # The trace body's names as they are now (a loop variable's current value, say): this
+        # invoke's body will see these, not what the names hold when the collecting ends.
+        self._snapshot = dict(frame.f_locals.own_items())
         self._tracer._invokes.append(self)
 
 
