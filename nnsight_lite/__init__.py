@@ -1,6 +1,7 @@
 """nnsight_lite: read and edit any PyTorch model's activations with ordinary Python.
 
     NNsight        wrap a torch.nn.Module; ``with model.trace(x):`` runs a body interleaved
+    LanguageModel  a Hugging Face causal LM + tokenizer: prompts in, ``.generate(...)``
     Envoy          the module proxy inside bodies: .output .input .inputs .next() .skip()
     save(obj)      keep a non-tensor object after the trace (tensors have ``.save()``)
     errors         the exception types (all derive from NNsightError)
@@ -22,6 +23,7 @@ from .envoy import Envoy, save
 from .errors import (
     BatchingError,
     BodySyntaxError,
+    InputError,
     MissedModuleError,
     ModulePathError,
     NNsightError,
@@ -29,6 +31,7 @@ from .errors import (
     OutsideTraceError,
     SourceUnavailableError,
 )
+from .language import Generator, LanguageModel
 from .model import NNsight
 from .tracing import Invoker, Tracer
 
@@ -36,6 +39,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "NNsight",
+    "LanguageModel",
+    "Generator",
     "Envoy",
     "Tracer",
     "Invoker",
@@ -49,4 +54,5 @@ __all__ = [
     "SourceUnavailableError",
     "BodySyntaxError",
     "BatchingError",
+    "InputError",
 ]

@@ -1,7 +1,7 @@
 """Turn the body of a ``with`` statement into code that runs later, and write results back.
 
     find_body(frame)      the compiled body of the with-statement the frame is entering (cached)
-    skip_body(frame)      arrange for the frame to jump over that body (returns a restore token)
+    skip_body(frame, n)   arrange for the frame to jump over that body (returns a restore token)
     restore_tracing(tok)  undo skip_body's tracing changes
     Scope                 the namespace a body runs in: its own names, falling back to the caller's
     write_back(frame, d)  put saved names back into the caller's scope
@@ -50,10 +50,12 @@ class IterationEnd(Exception):
 class Body:
     """A compiled with-block body and where it came from."""
 
-    __slots__ = ("code", "filename", "lineno", "end_lineno", "trivial")
+    __slots__ = ("code", "filename", "lineno", "end_lineno", "trivial", "body_line")
 
-    def __init__(self, code: CodeType, filename: str, lineno: int, end_lineno: int, trivial: bool):
+    def __init__(self, code: CodeType, filename: str, lineno: int, end_lineno: int, trivial: bool,
+                 body_line: int):
         self.code = code
+        self.body_line = body_line  # the first line of the body (the header may span several)
         # A body of only `pass`/`...`/strings: harmless to run inline, and CPython may emit
         # its line outside the with-block's handler, so it is not skipped.
         self.trivial = trivial
@@ -123,7 +125,8 @@ def _compile_body(frame: FrameType, what: str) -> Body:
         isinstance(st, ast.Pass) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))
         for st in node.body
     )
-    return Body(code, filename, node.lineno, node.end_lineno or node.lineno, trivial)
+    return Body(code, filename, node.lineno, node.end_lineno or node.lineno, trivial,
+                node.body[0].lineno)
 
 
 def _with_at(tree: ast.AST, lineno: int):
@@ -238,16 +241,22 @@ def _no_global_trace(frame, event, arg):
     return None
 
 
-def _raise_skip(frame, event, arg):
-    if event == "line":
-        raise SkipBody
-    return _raise_skip
+def _skipper(body_line: int):
+    def raise_skip(frame, event, arg):
+        # A header spanning several lines (`with model.trace(x,\n) as tracer:`) has line events
+        # of its own before the `as` name is bound: wait for the body's first line.
+        if event == "line" and frame.f_lineno >= body_line:
+            raise SkipBody
+        return raise_skip
+
+    return raise_skip
 
 
-def skip_body(frame: FrameType):
-    """Make ``frame`` raise ``SkipBody`` on its next line. Returns what ``restore_tracing`` needs."""
+def skip_body(frame: FrameType, body_line: int):
+    """Make ``frame`` raise ``SkipBody`` when it reaches ``body_line``. Returns what
+    ``restore_tracing`` needs."""
     token = (sys.gettrace(), frame, frame.f_trace)
-    frame.f_trace = _raise_skip
+    frame.f_trace = _skipper(body_line)
     sys.settrace(token[0] or _no_global_trace)
     return token
 

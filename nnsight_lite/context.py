@@ -37,7 +37,8 @@ class BodyContext:
         """Find the body of the with-statement ``frame`` is entering and arrange to skip it."""
         self._body = find_body(frame, self._what)
         self._frame = frame
-        self._token = None if self._body.trivial else skip_body(frame)
+        body = self._body
+        self._token = None if body.trivial else skip_body(frame, body.body_line)
 
     def __exit__(self, exc_type, exc, tb):
         if self._token is not None:

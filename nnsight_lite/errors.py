@@ -17,6 +17,7 @@ the caller unchanged, after the trace has removed its hooks and finished every b
     ├── SourceUnavailableError (RuntimeError)   the with-block's source cannot be found
     ├── BodySyntaxError        (SyntaxError)    return / yield / break at the top of a body
     ├── BatchingError          (ValueError)     invoke inputs that cannot form one batch
+    ├── InputError             (TypeError, ValueError)  a prompt or option a wrapper cannot use
     └── InferenceModeSwitchError (RuntimeError) waiting for a value inside torch.inference_mode()
 """
 
@@ -53,6 +54,11 @@ class BodySyntaxError(NNsightError, SyntaxError):
 
 class BatchingError(NNsightError, ValueError):
     """The inputs of several invokes cannot be combined into one batch."""
+
+
+class InputError(NNsightError, TypeError, ValueError):
+    """An input a model wrapper cannot use: a prompt of the wrong type, an empty prompt, token
+    ids outside the vocabulary, a missing required option (``max_new_tokens``)."""
 
 
 class InferenceModeSwitchError(NNsightError, RuntimeError):

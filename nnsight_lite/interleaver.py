@@ -106,6 +106,8 @@ _pool = threading.local()
 #: ``depth`` > 0 while a trace without inputs runs its body to collect invokes (this thread)
 _collecting = threading.local()
 _POOL_MAX = 64
+#: every worker ever made and still alive, so tests can check none is left mid-body
+_workers: "weakref.WeakSet[BodyGreenlet]" = weakref.WeakSet()
 
 
 def _worker_main(job):
@@ -125,7 +127,9 @@ def _take_worker() -> BodyGreenlet:
         w = idle.pop()
         w.parent = _getcurrent()
         return w
-    return BodyGreenlet(_worker_main, _getcurrent())
+    w = BodyGreenlet(_worker_main, _getcurrent())
+    _workers.add(w)
+    return w
 
 
 def _release_worker(w: BodyGreenlet) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 
@@ -11,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import nnsight_lite  # noqa: F401  (patches Tensor.save / Tensor.backward once)
-from nnsight_lite.interleaver import BodyGreenlet
+from nnsight_lite.interleaver import _plans, _workers
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, max_examples=40, print_blob=True,
@@ -23,19 +22,20 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 
 def _leftovers():
-    """Modules with a traced forward or hooks still attached, and suspended body greenlets."""
+    """Traced forwards or hooks left on any model nnsight_lite has traced, and body greenlets
+    still suspended in a body (idle pooled workers are fine)."""
     bad = []
-    for obj in gc.get_objects():
-        t = type(obj)
-        if issubclass(t, torch.nn.Module):
-            d = obj.__dict__
+    for root in list(_plans.keys()):
+        for m in root.modules():
+            d = m.__dict__
             fwd = d.get("forward")
             if fwd is not None and hasattr(fwd, "__wrapped__"):
-                bad.append(f"traced forward left on {type(obj).__name__}")
+                bad.append(f"traced forward left on {type(m).__name__}")
             if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks"):
-                bad.append(f"hook left on {type(obj).__name__}")
-        elif issubclass(t, BodyGreenlet) and obj and not obj.dead and (obj.mediator or obj.grads):
-            bad.append("suspended body greenlet (idle pooled workers have no mediator)")
+                bad.append(f"hook left on {type(m).__name__}")
+    for w in list(_workers):
+        if w and not w.dead and (w.mediator is not None or w.grads is not None):
+            bad.append("suspended body greenlet")
     return bad
 
 
@@ -48,7 +48,6 @@ def nothing_left_behind():
     after = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), sys.gettrace(),
              torch.Tensor.backward)
     assert after == before, f"global state changed: {before} -> {after}"
-    gc.collect()
     bad = _leftovers()
     assert not bad, bad
 

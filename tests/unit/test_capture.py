@@ -9,6 +9,7 @@ import textwrap
 import pytest
 import torch
 
+import nnsight_lite
 from nnsight_lite import NNsight, SourceUnavailableError
 from nnsight_lite.errors import BodySyntaxError
 
@@ -175,3 +176,16 @@ def test_piped_stdin_has_no_source():
     assert proc.returncode != 0
     assert "SourceUnavailableError" in proc.stderr
     assert "no source for '<stdin>'" in proc.stderr and "Jupyter" in proc.stderr
+
+
+def test_with_header_spanning_lines(seq):
+    """The `as` name is bound before the body runs even when the header spans several lines."""
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    with model.trace(
+        x,
+    ) as tracer:
+        same = nnsight_lite.save([tracer is not None])
+        h = model[0].output.save()
+    assert same == [True]
+    torch.testing.assert_close(h, seq[0](x))

@@ -1,0 +1,439 @@
+"""``LanguageModel``: a Hugging Face causal LM and its tokenizer, traced like any module.
+
+    LanguageModel(path_or_model, tokenizer=None, dispatch=False, **from_pretrained_kwargs)
+        .trace(prompt)      one batched forward; prompts are tokenized and left-padded
+        .generate(prompt, max_new_tokens=k)   HF generate with the body at every step
+        .tokenizer          the tokenizer
+        .generator.output   the generated ids (inside a generate body, after its loop)
+        .dispatch()         load the real weights now (otherwise: on first trace/generate/call)
+    Generator           the tracer ``model.generate(...)`` returns; ``tracer.result`` = ids
+
+Inputs (to ``trace``, ``invoke`` and ``generate``): a string, a list of strings, token ids (a
+list of ints, a list of lists, a 1-D or 2-D integer tensor), or a dict / ``BatchEncoding`` with
+``input_ids`` (and optionally ``attention_mask``). Keyword arguments the tokenizer understands
+(``max_length``, ``truncation``, ``add_special_tokens``, ...) go to the tokenizer, per invoke;
+the others go to the model's forward (``trace``) or to HF ``generate`` (``generate``).
+
+Batching: every invoke is tokenized on its own, then all are left-padded to one length, so the
+last position holds every prompt's last token. Where there is padding and the model's forward
+takes ``position_ids``, they are computed from the attention mask as HF ``generate`` does, so a
+prompt's activations do not depend on the other prompts of the batch (GPT-2's absolute position
+embeddings would otherwise shift with the padding).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import weakref
+
+import torch
+
+from . import prompts
+from .envoy import Envoy
+from .errors import InputError, NNsightError
+from .model import NNsight
+from .tracing import Tracer
+
+#: Keyword arguments of ``LanguageModel(...)`` that also apply to loading the config.
+_CONFIG_KWARGS = frozenset({
+    "revision", "trust_remote_code", "cache_dir", "local_files_only", "token", "subfolder",
+    "gguf_file", "code_revision",
+})
+
+
+class _GeneratorOutput(torch.nn.Module):
+    """Identity module called once with generate's result, so bodies can read it as
+    ``model.generator.output``. Attached to the model only while a generate runs."""
+
+    def forward(self, ids):
+        return ids
+
+
+class _GeneratorEnvoy(Envoy):
+    """``model.generator``: its ``.output`` exists only inside ``model.generate(...)`` bodies."""
+
+    @property
+    def output(self):
+        if self._module is not self._root._module._modules.get("generator"):
+            raise NNsightError(
+                "model.generator.output (the generated ids) exists only inside "
+                "`with model.generate(prompt, max_new_tokens=k):`; in a trace read "
+                "model.lm_head.output (the logits) instead"
+            )
+        return Envoy.output.fget(self)
+
+    @output.setter
+    def output(self, value):
+        Envoy.output.fset(self, value)
+
+
+class LanguageModel(NNsight):
+    """A Hugging Face causal LM with its tokenizer, traced with ``with model.trace(prompt):``.
+
+    Example::
+
+        from nnsight_lite import LanguageModel
+        from nnsight_lite.models import smollm2_path
+
+        model = LanguageModel(smollm2_path())      # any local dir or hub id; meta: no weights yet
+        with model.trace("The Eiffel Tower is in the city of"):
+            hidden = model.model.layers[-1].output.save()        # Llama; GPT-2: transformer.h
+            logits = model.lm_head.output.save()
+        print(model.tokenizer.decode(logits[0, -1].argmax()))     # ' Paris'
+
+        with model.generate("Hello", max_new_tokens=5) as tracer:
+            ids = model.generator.output.save()
+        print(model.tokenizer.decode(tracer.result[0]))
+
+    ``model`` is a local directory or hub id (loaded with ``AutoModelForCausalLM``), or an
+    already built ``PreTrainedModel`` (then ``tokenizer`` is required).
+
+    - ``tokenizer``: a tokenizer to use instead of loading one from ``model``'s directory.
+    - ``dispatch``: load the weights now. Without it the model is built on the meta device
+      (no weight memory): it can be printed, scanned and traced code can be written; the
+      weights load on the first ``trace``, ``generate`` or call.
+    - ``dtype`` (or the older ``torch_dtype``), ``device_map`` ("auto" needs accelerate) and
+      any other keyword: passed to ``from_pretrained``.
+    - ``tokenizer_kwargs``: passed to ``AutoTokenizer.from_pretrained``.
+    - ``automodel``: the auto class to load with (default ``AutoModelForCausalLM``).
+
+    A tokenizer without a pad token gets its eos token as pad token, with a warning (what HF
+    users do); padding is always on the left.
+    """
+
+    def __init__(self, model, *, tokenizer=None, dispatch: bool = False, automodel=None,
+                 tokenizer_kwargs: dict | None = None, **kwargs):
+        d = self.__dict__
+        d["_load_kwargs"] = kwargs
+        d["_automodel"] = automodel
+        if isinstance(model, (str, os.PathLike)):
+            source = os.fspath(model)
+            d["_source"] = source
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(source, **(tokenizer_kwargs or {}))
+            if dispatch:
+                module = self._load()
+            else:
+                module = self._build_meta()
+        elif isinstance(model, torch.nn.Module):
+            if kwargs:
+                raise TypeError(
+                    f"LanguageModel got an already built {type(model).__name__} and loading "
+                    f"options {sorted(kwargs)}; loading options apply to a path or hub id only "
+                    "(move or cast the model yourself before wrapping it)"
+                )
+            if tokenizer is None:
+                raise TypeError(
+                    f"LanguageModel got an already built {type(model).__name__} but no "
+                    "tokenizer; pass tokenizer=AutoTokenizer.from_pretrained(...) too"
+                )
+            d["_source"] = None
+            module = model
+        else:
+            raise TypeError(
+                "LanguageModel(model) takes a directory, a hub id or a torch.nn.Module, got "
+                f"{type(model).__name__}"
+            )
+        super().__init__(module)
+        d["_tokenizer"] = prompts.with_pad_token(tokenizer)
+        d["_generator_module"] = _GeneratorOutput()
+        d["_generator"] = _GeneratorEnvoy(d["_generator_module"], "model.generator", self)
+
+    # ---- loading
+
+    def _auto(self):
+        if self._automodel is not None:
+            return self._automodel
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM
+
+    def _build_meta(self) -> torch.nn.Module:
+        """The model built from its config on the meta device: the module tree, no weights."""
+        from transformers import AutoConfig
+
+        kw = self._load_kwargs
+        config = AutoConfig.from_pretrained(
+            self._source, **{k: v for k, v in kw.items() if k in _CONFIG_KWARGS}
+        )
+        build = {k: kw[k] for k in ("trust_remote_code", "attn_implementation") if k in kw}
+        for key in ("dtype", "torch_dtype"):  # the name the user gave (transformers < 4.56:
+            dtype = kw.get(key)                 # torch_dtype only)
+            if dtype is not None and dtype != "auto":
+                build[key] = dtype
+        with torch.device("meta"):
+            return self._auto().from_config(config, **build)
+
+    def _load(self) -> torch.nn.Module:
+        return self._auto().from_pretrained(self._source, **self._load_kwargs)
+
+    @property
+    def dispatched(self) -> bool:
+        """Whether the real weights are loaded (False while the model lives on the meta device)."""
+        return self._source is None or not _on_meta(self._module)
+
+    def dispatch(self) -> "LanguageModel":
+        """Load the real weights now (``LanguageModel(path)`` defers it to the first use).
+
+        Example::
+
+            model = LanguageModel(path)     # meta device
+            model.dispatch()                # weights in memory; model.dispatched is True
+        """
+        if not self.dispatched:
+            _rebind(self, self._load())
+        return self
+
+    # ---- the tokenizer and the generator
+
+    @property
+    def tokenizer(self):
+        """The tokenizer prompts go through (left padding; a pad token is always set)."""
+        return self._tokenizer
+
+    @property
+    def generator(self) -> Envoy:
+        """``model.generator.output``: the ids ``generate`` returns, readable in its body once
+        generation is over (after the body's step loop)."""
+        return self._generator
+
+    def __setattr__(self, name, value):
+        if name == "tokenizer":
+            self.__dict__["_tokenizer"] = prompts.with_pad_token(value)
+            return
+        super().__setattr__(name, value)
+
+    # ---- contexts
+
+    def trace(self, *inputs, trace: bool = True, **kwargs):
+        """``with model.trace(prompt, **kwargs) as tracer:`` - one batched forward.
+
+        Example::
+
+            with model.trace(["Hello world", "Hi"]):        # one invoke, two rows
+                logits = model.lm_head.output.save()
+
+        With ``trace=False`` it runs the plain forward on the tokenized inputs and returns the
+        model's output.
+        """
+        self.dispatch()
+        if not trace:
+            args, kw, _ = self._batch_inputs([self._prepare_inputs(*inputs, **kwargs)])
+            return self._run_forward(args, kw)
+        return super().trace(*inputs, **kwargs)
+
+    def edit(self, *, inplace: bool = False):
+        """``with model.edit() as edited:`` - see :meth:`NNsight.edit`. Loads the weights first,
+        so the edited copy and this model share one set of them."""
+        self.dispatch()
+        return super().edit(inplace=inplace)
+
+    def generate(self, *inputs, trace: bool = True, **kwargs) -> "Generator":
+        """``with model.generate(prompt, max_new_tokens=k, **generate_kwargs) as tracer:``.
+
+        Example::
+
+            with model.generate("The Eiffel Tower is in", max_new_tokens=3) as tracer:
+                logits = nnsight_lite.save([model.lm_head.output])   # step 0 (the prompt)
+                for step in tracer.iter[1:]:                         # steps 1, 2
+                    logits.append(model.lm_head.output)
+                ids = model.generator.output.save()                 # prompt + 3 new tokens
+            print(len(logits), tracer.result.shape)
+
+        Runs HF ``generate`` once with the body interleaved at every step: a module's call
+        ``i`` is generation step ``i``, addressed with ``.next()``, ``tracer.iter[...]`` or
+        ``tracer.all()``. Tokenizer keywords go to the tokenizer, every other keyword to
+        ``generate`` (``max_length`` too: here it is generate's total length; give it to
+        ``tracer.invoke`` to truncate a prompt). ``max_new_tokens`` (or ``max_length``) is
+        required unless the model's generation config sets one. With ``trace=False`` it returns
+        generate's output directly.
+        """
+        # max_length means generate's total length here; per-invoke truncation can still use it
+        tok = {k: v for k, v in kwargs.items()
+               if k in prompts.TOKENIZER_KWARGS and k != "max_length"}
+        gen = {k: v for k, v in kwargs.items() if k not in tok}
+        self._check_generate_kwargs(gen)
+        self.dispatch()
+        if not trace:
+            args, kw, _ = self._batch_inputs([self._prepare_inputs(*inputs, **tok)])
+            return self._run_generate(args, kw, gen)
+        return Generator(self, inputs, tok, gen)
+
+    def __call__(self, *args, **kwargs):
+        self.dispatch()
+        return self._module(*args, **kwargs)
+
+    # ---- inputs
+
+    def _prepare_inputs(self, *args, **kwargs):
+        """One invoke's prompt as ``((), {"input_ids", "attention_mask", ...}, rows)``."""
+        return prompts.prepare(self.tokenizer, self._vocab_size(), args, kwargs)
+
+    def _vocab_size(self):
+        try:
+            emb = self._module.get_input_embeddings()
+            return emb.num_embeddings
+        except (AttributeError, NotImplementedError):
+            return None
+
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return 0 if pad is None else pad
+
+    def _batch_inputs(self, prepared: list):
+        """Left-pad every invoke's rows to one length and stack them (one forward)."""
+        args, kwargs, sizes = prompts.batch(prepared, self._pad_id(), self._takes_position_ids())
+        device = self._input_device()
+        if device is not None:
+            kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                      for k, v in kwargs.items()}
+        return args, kwargs, sizes
+
+    def _takes_position_ids(self) -> bool:
+        cls = type(self._module)
+        takes = _TAKES_POSITION_IDS.get(cls)
+        if takes is None:
+            try:
+                takes = "position_ids" in inspect.signature(cls.forward).parameters
+            except (TypeError, ValueError):
+                takes = False
+            _TAKES_POSITION_IDS[cls] = takes
+        return takes
+
+    def _input_device(self):
+        try:
+            return self._module.get_input_embeddings().weight.device
+        except (AttributeError, NotImplementedError):
+            return None
+
+    # ---- generation
+
+    def _check_generate_kwargs(self, gen: dict) -> None:
+        if gen.get("max_new_tokens") is None and gen.get("max_length") is None:
+            config = getattr(self._module, "generation_config", None)
+            if getattr(config, "max_new_tokens", None) is None:
+                raise InputError(
+                    "model.generate(...) needs max_new_tokens=N (how many tokens to generate), "
+                    "e.g. model.generate(prompt, max_new_tokens=20)"
+                )
+
+    def _run_generate(self, args: tuple, kwargs: dict, gen: dict):
+        """HF ``generate`` on the batched inputs (its defaults: the model's generation config)."""
+        gen = dict(gen)
+        if gen.get("pad_token_id") is None:
+            config = getattr(self._module, "generation_config", None)
+            if getattr(config, "pad_token_id", None) is None:
+                gen["pad_token_id"] = self._pad_id()
+        kwargs = dict(kwargs)
+        kwargs.pop("position_ids", None)  # generate makes its own from the attention mask
+        return self._module.generate(*args, **kwargs, **gen)
+
+    def _no_such(self, name: str):
+        err = super()._no_such(name)
+        hint = _ARCH_HINTS.get(name)
+        if hint is not None:
+            err.args = (f"{err.args[0]} {hint}",)
+        return err
+
+
+class Generator(Tracer):
+    """The tracer of ``with model.generate(prompt, max_new_tokens=k) as tracer:``.
+
+    Example::
+
+        with model.generate("Hello", max_new_tokens=4) as tracer:
+            hs = nnsight_lite.save([])
+            for step in tracer.all():                       # every step, until generation ends
+                hs.append(model.lm_head.output[:, -1])
+            ids = model.generator.output.save()
+        assert len(hs) == 4 and tracer.result.shape[1] == ids.shape[1]
+
+    ``tracer.result`` holds what HF ``generate`` returned (the ids, prompt included).
+    """
+
+    def __init__(self, model: LanguageModel, args: tuple, tok_kwargs: dict, gen_kwargs: dict):
+        super().__init__(model, args, tok_kwargs)
+        self._gen_kwargs = gen_kwargs
+        self.result = None
+
+    def _run(self, scope):
+        model = self.model
+        hf = model._module
+        gen = model._generator_module
+        if "generator" in hf._modules:
+            raise InputError(
+                f"{type(hf).__name__} already has a submodule named 'generator', which "
+                "model.generator would hide; rename it to trace generate on this model"
+            )
+        hf._modules["generator"] = gen  # so the trace counts its call and serves its output
+        try:
+            super()._run(scope)
+        finally:
+            del hf._modules["generator"]
+
+    def _forward(self, inter, args: tuple, kwargs: dict):
+        model = self.model
+        out = model._run_generate(args, kwargs, self._gen_kwargs)
+        # The model makes no more calls: bodies looping over steps leave their loops now, so
+        # code after the loop can read model.generator.output, served by the call below.
+        inter.end_iterations()
+        self.result = model._generator_module(out)
+        return self.result
+
+
+# --------------------------------------------------------------------------- helpers
+
+_TAKES_POSITION_IDS: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+#: GPT-2 names (and a few others) users bring to a Llama-style model, and where to look instead.
+_ARCH_HINTS = {
+    "transformer": "GPT-2 keeps its blocks at model.transformer.h; Llama-style models keep "
+                   "them at model.model.layers (print(model) shows the tree).",
+    "h": "GPT-2's blocks are transformer.h; Llama-style models call them model.layers.",
+    "wte": "GPT-2's token embedding is transformer.wte; Llama-style: model.embed_tokens.",
+    "ln_f": "GPT-2's final norm is transformer.ln_f; Llama-style: model.norm.",
+    "layers": "Llama-style models keep blocks at model.model.layers; GPT-2 at "
+              "model.transformer.h.",
+    "model": "Llama-style models keep the decoder at model.model; GPT-2 at model.transformer.",
+}
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    for p in module.parameters():
+        return p.is_meta
+    return False
+
+
+def _rebind(envoy: Envoy, module: torch.nn.Module) -> None:
+    """Point ``envoy`` and the child Envoys it has handed out at ``module``'s tree.
+
+    Envoys users already hold (``layers = model.model.layers``) keep working after dispatch.
+    """
+    d = envoy.__dict__
+    d["_module"] = module
+    for name, child in list(d.items()):
+        if name.startswith("_") or not isinstance(child, Envoy):
+            continue
+        sub = module._modules.get(name)
+        if sub is None:
+            del d[name]
+        else:
+            _rebind(child, sub)
+    # The index cache (``envoy[i]``) holds the child Envoy, alone or first in a tuple.
+    items = d.get("_items", {})
+    for key, hit in list(items.items()):
+        child = hit[0] if isinstance(hit, tuple) else hit
+        try:
+            sub = module[key]
+        except (IndexError, KeyError, TypeError):
+            sub = None
+        if isinstance(sub, torch.nn.Module) and isinstance(child, Envoy):
+            _rebind(child, sub)
+        else:
+            del items[key]
+
+
+__all__ = ["LanguageModel", "Generator"]

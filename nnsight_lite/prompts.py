@@ -1,0 +1,285 @@
+"""Prompts to model inputs: tokenizing, checking and left-padding (LanguageModel's helpers;
+not exported from the package).
+
+    TOKENIZER_KWARGS    the keywords that go to the tokenizer (per invoke)
+    prepare(...)        one invoke's prompt as ((), {"input_ids", "attention_mask", ...}, rows)
+    batch(...)          several invokes' prepared inputs left-padded into one batch
+    encode(...)         one prompt as (input_ids, attention_mask, other keys)
+    with_pad_token(tok) give a tokenizer without a pad token its eos token (with a warning)
+
+Accepted prompts: a string, a list of strings, token ids (a list of ints, a list of lists of
+ints, a 1-D or 2-D integer tensor), or a dict / ``BatchEncoding`` with ``input_ids`` (and
+optionally ``attention_mask``). Anything else raises ``InputError`` saying what was given.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+
+import torch
+
+from .batching import concat_inputs
+from .errors import InputError
+
+#: Keyword arguments of ``tokenizer(...)`` that may be given per invoke; every other keyword
+#: goes to the model's forward (trace) or to ``generate``.
+TOKENIZER_KWARGS = frozenset({
+    "add_special_tokens", "padding", "truncation", "max_length", "stride", "is_split_into_words",
+    "pad_to_multiple_of", "padding_side", "return_token_type_ids", "verbose",
+})
+ACCEPTS = (
+    "a string, a list of strings, token ids (a list of ints, a list of lists of ints, or a "
+    "1-D/2-D integer tensor), or a dict/BatchEncoding with 'input_ids'"
+)
+
+
+def prepare(tokenizer, vocab: int | None, args: tuple, kwargs: dict):
+    """One invoke's prompt as ``((), {"input_ids", "attention_mask", ...}, rows)``.
+
+    Example::
+
+        _, kw, rows = prepare(tokenizer, 50257, (["Hello world", "Hi"],), {"max_length": 8})
+        kw["input_ids"].shape, kw["attention_mask"][1]     # (2, 2), tensor([0, 1]) for GPT-2
+    """
+    kwargs = dict(kwargs)
+    tok_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in TOKENIZER_KWARGS}
+    if len(args) > 1:
+        raise InputError(
+            f"an invoke takes one prompt (or one list of prompts), got {len(args)} "
+            "positional inputs; pass a list for a batch: tracer.invoke(['a', 'b'])"
+        )
+    if args:
+        prompt = args[0]
+        if "input_ids" in kwargs:
+            raise InputError("got both a prompt and input_ids=...; pass only one of them")
+    elif "input_ids" in kwargs:
+        prompt = {"input_ids": kwargs.pop("input_ids")}
+        if "attention_mask" in kwargs:
+            prompt["attention_mask"] = kwargs.pop("attention_mask")
+    else:
+        raise InputError(f"no prompt given; pass {ACCEPTS}")
+    ids, mask, extra = encode(tokenizer, prompt, tok_kwargs)
+    check_ids(ids, mask, vocab)
+    if "attention_mask" in kwargs:
+        if extra.get("_from_text"):
+            raise InputError(
+                "attention_mask=... was given with a text prompt; the tokenizer makes the "
+                "mask for text. Pass token ids with their mask instead"
+            )
+        mask = _as_ids(kwargs.pop("attention_mask"), "attention_mask")
+        if mask.shape != ids.shape:
+            raise InputError(
+                f"attention_mask has shape {tuple(mask.shape)} but input_ids has shape "
+                f"{tuple(ids.shape)}; they must match"
+            )
+    extra.pop("_from_text", None)
+    kwargs.update(extra)
+    return (), {"input_ids": ids, "attention_mask": mask, **kwargs}, ids.shape[0]
+
+
+def encode(tokenizer, prompt, tok_kwargs: dict):
+    """``(input_ids, attention_mask, other_keys)`` of one prompt, padded on the left."""
+    if isinstance(prompt, str) or (
+        isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt)
+    ):
+        texts = [prompt] if isinstance(prompt, str) else list(prompt)
+        for i, t in enumerate(texts):
+            if not t:
+                where = "" if isinstance(prompt, str) else f" (item {i} of the list)"
+                raise InputError(
+                    f"empty prompt{where}: there is no token to run the model on; give "
+                    "it some text"
+                )
+        tok_kwargs = {"padding": True, "padding_side": "left", **tok_kwargs}
+        enc = tokenizer(texts, return_tensors="pt", **tok_kwargs)
+        ids = enc["input_ids"]
+        mask = enc.get("attention_mask")
+        if mask is None:
+            mask = torch.ones_like(ids)
+        extra = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+        extra["_from_text"] = True
+        return ids, mask.to(ids.dtype), extra
+    if tok_kwargs:
+        raise InputError(
+            f"tokenizer options {sorted(tok_kwargs)} apply to text prompts only, but this "
+            f"prompt is {type(prompt).__name__}; tokenize it yourself or pass text"
+        )
+    if isinstance(prompt, Mapping):
+        if "input_ids" not in prompt:
+            raise InputError(
+                f"a dict prompt needs 'input_ids'; this one has keys {sorted(prompt)}"
+            )
+        ids = _rows(prompt["input_ids"])
+        mask = prompt.get("attention_mask")
+        if mask is None:
+            ids, mask = _left_pad(ids, _pad_id(tokenizer))
+        else:
+            mask = _as_ids(mask, "attention_mask")
+            ids = _as_ids(ids if isinstance(ids, torch.Tensor) else _stack(ids), "input_ids")
+            if mask.dim() == 1:
+                mask = mask.unsqueeze(0)
+            if mask.shape != ids.shape:
+                raise InputError(
+                    f"attention_mask has shape {tuple(mask.shape)} but input_ids has shape "
+                    f"{tuple(ids.shape)}; they must match"
+                )
+        extra = {k: v for k, v in prompt.items() if k not in ("input_ids", "attention_mask")}
+        return ids, mask, extra
+    ids, mask = _left_pad(_rows(prompt), _pad_id(tokenizer))
+    return ids, mask, {}
+
+
+def check_ids(ids: torch.Tensor, mask: torch.Tensor, vocab: int | None) -> None:
+    """Every row has a token; every id is in ``0..vocab-1`` (skipped on the meta device)."""
+    if ids.shape[-1] == 0 or (mask.shape[-1] and bool((mask.sum(-1) == 0).any())):
+        raise InputError(
+            "a prompt has no tokens (the tokenizer produced none, or the ids are empty); "
+            "give every prompt at least one token"
+        )
+    if ids.device.type == "meta":
+        return
+    lo, hi = (int(v) for v in ids.aminmax())
+    if lo < 0 or (vocab is not None and hi >= vocab):
+        bad = lo if lo < 0 else hi
+        valid = f"0..{vocab - 1}" if vocab is not None else "non-negative"
+        raise InputError(
+            f"token id {bad} is outside this model's vocabulary (valid ids: {valid}); "
+            "were the ids made by another tokenizer?"
+        )
+
+
+def batch(prepared: list, pad: int, position_ids: bool):
+    """Several invokes' ``prepare`` results left-padded to one length and stacked.
+
+    With ``position_ids`` and some padding, adds position ids counted over the attention mask.
+    """
+    sizes = [n for _, _, n in prepared]
+    kws = [k for _, k, _ in prepared]
+    if len(kws) == 1:
+        kwargs = dict(kws[0])
+    else:
+        width = max(k["input_ids"].shape[1] for k in kws)
+        ids = torch.cat([pad_left(k["input_ids"], width, pad) for k in kws])
+        mask = torch.cat([pad_left(k["attention_mask"], width, 0) for k in kws])
+        rest = [((), {n: v for n, v in k.items() if n not in ("input_ids", "attention_mask")})
+                for k in kws]
+        _, kwargs, _ = concat_inputs(rest, sizes)
+        kwargs = {"input_ids": ids, "attention_mask": mask, **kwargs}
+    mask = kwargs["attention_mask"]
+    if position_ids and "position_ids" not in kwargs and not bool(mask.all()):
+        # as HF generate counts them: padding does not shift a prompt's positions
+        kwargs["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    return (), kwargs, sizes
+
+
+def _pad_id(tokenizer) -> int:
+    pad = tokenizer.pad_token_id
+    return 0 if pad is None else pad
+
+
+def with_pad_token(tokenizer):
+    """Give ``tokenizer`` its eos token as pad token (with a warning) if it has none."""
+    if tokenizer is not None and tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise InputError(
+                f"the tokenizer ({type(tokenizer).__name__}) has neither a pad token nor an "
+                "eos token to pad with; set tokenizer.pad_token = '...' before wrapping"
+            )
+        warnings.warn(
+            f"the tokenizer has no pad token; using its eos token {tokenizer.eos_token!r} for "
+            "padding (tokenizer.pad_token = tokenizer.eos_token). Padded positions are masked "
+            "out, so this does not change results.",
+            UserWarning,
+            stacklevel=3,
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _is_int(x) -> bool:
+    return (isinstance(x, int) and not isinstance(x, bool)) or (
+        isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point())
+
+
+def _as_ids(x, what: str) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point() or x.is_complex() or (
+                x.dtype == torch.bool and what == "input_ids"):
+            raise InputError(f"{what} must hold integers, got a tensor of dtype {x.dtype}")
+        return x.long() if x.dtype != torch.long else x
+    try:
+        return torch.as_tensor(x, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError):
+        raise InputError(f"{what} must be integers, got {_describe(x)}") from None
+
+
+def _rows(x) -> list | torch.Tensor:
+    """Token ids as a 2-D tensor or a list of 1-D tensors (ragged rows)."""
+    if isinstance(x, torch.Tensor):
+        x = _as_ids(x, "input_ids")
+        if x.dim() == 1:
+            return x.unsqueeze(0)
+        if x.dim() == 2:
+            return x
+        raise InputError(
+            f"token ids must be a 1-D or 2-D tensor, got shape {tuple(x.shape)}"
+        )
+    if isinstance(x, (list, tuple)):
+        if not x:
+            raise InputError(f"empty prompt list: nothing to run the model on; pass {ACCEPTS}")
+        if all(_is_int(v) for v in x):
+            return _as_ids(list(x), "input_ids").unsqueeze(0)
+        if all(isinstance(v, (list, tuple)) or (isinstance(v, torch.Tensor) and v.dim() == 1)
+               for v in x):
+            rows = []
+            for i, v in enumerate(x):
+                if isinstance(v, torch.Tensor):
+                    rows.append(_as_ids(v, "input_ids"))
+                elif all(_is_int(t) for t in v):
+                    rows.append(_as_ids(list(v), "input_ids"))
+                else:
+                    raise InputError(f"row {i} of the token ids is not all integers: "
+                                     f"{_describe(v)}; pass {ACCEPTS}")
+            return rows
+    raise InputError(f"cannot use {_describe(x)} as a prompt; pass {ACCEPTS}")
+
+
+def _describe(x) -> str:
+    if isinstance(x, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in x})
+        return f"a {type(x).__name__} of {', '.join(kinds) or 'nothing'}"
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"a {type(x).__name__}"
+
+
+def _left_pad(rows, pad: int):
+    """Ragged rows (or a 2-D tensor) as ``(ids, mask)`` padded on the left."""
+    if isinstance(rows, torch.Tensor):
+        return rows, torch.ones_like(rows)
+    width = max(r.shape[0] for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = r.shape[0]
+        if n:
+            ids[i, width - n:] = r
+            mask[i, width - n:] = 1
+    return ids, mask
+
+
+def _stack(rows):
+    ids, _ = _left_pad(rows, 0)
+    return ids
+
+
+def pad_left(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    """``x`` (rows of ids or mask) padded on the left with ``value`` to ``width`` columns."""
+    n = width - x.shape[1]
+    if n == 0:
+        return x
+    return torch.cat([x.new_full((x.shape[0], n), value), x], 1)
+
+
+__all__ = ["TOKENIZER_KWARGS", "prepare", "batch", "encode", "check_ids", "with_pad_token"]

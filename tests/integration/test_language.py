@@ -1,0 +1,598 @@
+"""LanguageModel on tiny GPT-2 and Llama models built from configs (see conftest.py), checked
+against plain transformers: loading, tokenizing and padding, traces, generation, errors."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import transformers
+from conftest import layers, make_tokenizer
+
+import nnsight_lite
+from nnsight_lite import InputError, LanguageModel, ModulePathError
+
+PROMPTS = [
+    "the eiffel tower is in the city of",
+    "hello world",
+    "when mary and john went to the store",
+]
+
+
+def tokenize(lm, prompts):
+    """What a user would pass to the plain model: left-padded, with mask."""
+    return lm.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+
+
+def position_ids(mask):
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+def quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return fn(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class TestLoading:
+    def test_without_dispatch_the_model_lives_on_meta(self, model_dirs, arch):
+        """LanguageModel(path) builds the module tree on the meta device: no weights yet."""
+        lm = quiet(LanguageModel, model_dirs[arch])
+        assert not lm.dispatched
+        assert all(p.is_meta for p in lm._module.parameters())
+        assert "lm_head" in repr(lm)
+
+    def test_meta_construction_reads_no_weights(self, model_dirs, tmp_path, arch):
+        """A directory holding only config and tokenizer is enough to construct, print and
+        scan; the weights file is only needed at the first real trace."""
+        cfg = transformers.AutoConfig.from_pretrained(model_dirs[arch])
+        cfg.save_pretrained(tmp_path)
+        make_tokenizer().save_pretrained(tmp_path)
+        lm = quiet(LanguageModel, tmp_path)
+        with lm.scan("hello world"):
+            shape = nnsight_lite.save(tuple(layers(lm, arch)[0].output.shape))
+        assert shape == (1, 2, 32)
+        assert not lm.dispatched
+        with pytest.raises(OSError):
+            with lm.trace("hello world"):
+                pass
+
+    @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+    def test_meta_construction_allocates_no_weight_memory(self, tmp_path):
+        """A model with ~400 MB of float32 weights costs far less than that to construct."""
+        cfg = transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=6,
+            num_attention_heads=8, num_key_value_heads=8,
+        )
+        cfg.save_pretrained(tmp_path)
+        make_tokenizer().save_pretrained(tmp_path)
+        weight_bytes = 4 * (2 * 32000 * 1024 + 6 * (4 * 1024 * 1024 + 3 * 1024 * 4096))
+        assert weight_bytes > 390e6
+
+        def rss():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+        before = rss()
+        lm = quiet(LanguageModel, tmp_path)
+        grown = rss() - before
+        assert all(p.is_meta for p in lm._module.parameters())
+        assert grown < weight_bytes / 8, f"constructing grew RSS by {grown / 1e6:.0f} MB"
+
+    def test_first_trace_loads_weights_and_keeps_envoys(self, model_dirs, hf, arch):
+        """Envoys taken before dispatch point at the loaded modules afterwards."""
+        lm = quiet(LanguageModel, model_dirs[arch])
+        block = layers(lm, arch)[1]
+        head = lm.lm_head
+        with lm.trace("hello world"):
+            h = block.output.save()
+            logits = head.output.save()
+        assert lm.dispatched
+        assert block._module is layers(lm._module, arch)[1]
+        assert not any(p.is_meta for p in lm._module.parameters())
+        with torch.no_grad():
+            plain = hf(**lm.tokenizer("hello world", return_tensors="pt")).logits
+        torch.testing.assert_close(logits, plain)
+        assert h.shape == (1, 2, 32)
+
+    def test_dispatch_true_loads_now(self, model_dirs, arch):
+        lm = quiet(LanguageModel, model_dirs[arch], dispatch=True)
+        assert lm.dispatched
+        assert lm.dispatch() is lm
+
+    @pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+    def test_dtype(self, model_dirs, arch, key):
+        """dtype (and the older torch_dtype) apply to the meta build and the loaded weights."""
+        lm = quiet(LanguageModel, model_dirs[arch], **{key: torch.bfloat16})
+        assert lm._module.lm_head.weight.dtype == torch.bfloat16
+        with lm.trace("hello world"):
+            logits = lm.lm_head.output.save()
+        assert logits.dtype == torch.bfloat16
+        assert lm._module.lm_head.weight.dtype == torch.bfloat16
+
+    @pytest.mark.parametrize("device_map", ["cpu", "auto"])
+    def test_device_map(self, model_dirs, hf, arch, device_map):
+        """device_map goes to from_pretrained ("auto" through accelerate)."""
+        pytest.importorskip("accelerate")
+        lm = quiet(LanguageModel, model_dirs[arch], device_map=device_map)
+        with lm.trace("hello world"):
+            logits = lm.lm_head.output.save()
+        with torch.no_grad():
+            plain = hf(**lm.tokenizer("hello world", return_tensors="pt")).logits
+        torch.testing.assert_close(logits, plain)
+
+    def test_prebuilt_model_and_tokenizer(self, hf):
+        lm = quiet(LanguageModel, hf, tokenizer=make_tokenizer())
+        assert lm._module is hf and lm.dispatched
+        with lm.trace("hello world"):
+            logits = lm.lm_head.output.save()
+        with torch.no_grad():
+            plain = hf(**lm.tokenizer("hello world", return_tensors="pt")).logits
+        torch.testing.assert_close(logits, plain)
+
+    def test_prebuilt_model_needs_a_tokenizer(self, hf):
+        with pytest.raises(TypeError, match="no tokenizer; pass tokenizer="):
+            LanguageModel(hf)
+
+    def test_missing_pad_token_uses_eos_with_a_warning(self, model_dirs, arch):
+        with pytest.warns(UserWarning, match="no pad token; using its eos token '<eos>'"):
+            lm = LanguageModel(model_dirs[arch])
+        assert lm.tokenizer.pad_token == "<eos>"
+
+    def test_tokenizer_without_pad_or_eos_is_an_error(self, hf):
+        tok = make_tokenizer()
+        tok.eos_token = None
+        with pytest.raises(InputError, match="neither a pad token nor an eos token"):
+            LanguageModel(hf, tokenizer=tok)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def model_inputs(lm, *prompt, **kwargs):
+    """The (input_ids, attention_mask) the model's forward receives for one invoke."""
+    with lm.trace(*prompt, **kwargs):
+        _, kw = lm.inputs
+        got = nnsight_lite.save((kw["input_ids"].clone(), kw["attention_mask"].clone()))
+    return got
+
+
+class TestInputs:
+    @pytest.fixture
+    def arch(self):
+        """Tokenizing does not depend on the architecture: GPT-2 only (saves CI time)."""
+        return "gpt2"
+
+    def test_string(self, lm):
+        ids, mask = model_inputs(lm, "hello world")
+        assert ids.tolist() == [lm.tokenizer("hello world")["input_ids"]]
+        assert mask.tolist() == [[1, 1]]
+
+    def test_list_of_strings_is_left_padded(self, lm):
+        ids, mask = model_inputs(lm, ["hello world", "the big red dog"])
+        pad = lm.tokenizer.pad_token_id
+        hello = lm.tokenizer("hello world")["input_ids"]
+        assert ids[0].tolist() == [pad, pad] + hello
+        assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+
+    @pytest.mark.parametrize("form", ["list", "lists", "tensor1d", "tensor2d", "dict", "encoding"])
+    def test_token_id_forms(self, lm, form):
+        ids = [4, 5, 6]
+        prompt = {
+            "list": ids,
+            "lists": [ids],
+            "tensor1d": torch.tensor(ids),
+            "tensor2d": torch.tensor([ids]),
+            "dict": {"input_ids": [ids], "attention_mask": [[1, 1, 1]]},
+            "encoding": lm.tokenizer("the eiffel tower", return_tensors="pt"),
+        }[form]
+        got, mask = model_inputs(lm, prompt)
+        expect = lm.tokenizer("the eiffel tower")["input_ids"] if form == "encoding" else ids
+        assert got.tolist() == [expect] and mask.tolist() == [[1] * len(expect)]
+
+    def test_ragged_token_id_lists_are_left_padded(self, lm):
+        got, mask = model_inputs(lm, [[4, 5, 6], [7]])
+        pad = lm.tokenizer.pad_token_id
+        assert got.tolist() == [[4, 5, 6], [pad, pad, 7]]
+        assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+    def test_input_ids_keyword(self, lm):
+        got, mask = model_inputs(lm, input_ids=torch.tensor([[4, 5]]),
+                                 attention_mask=torch.tensor([[1, 1]]))
+        assert got.tolist() == [[4, 5]] and mask.tolist() == [[1, 1]]
+
+    def test_invokes_are_padded_into_one_batch(self, lm):
+        """Each invoke's rows hold exactly its own tokens, left-padded to the longest."""
+        tok = lm.tokenizer
+        with lm.trace() as tracer:
+            with tracer.invoke("hello world"):
+                a = nnsight_lite.save(lm.inputs[1]["input_ids"].clone())
+            with tracer.invoke(["the big red dog sat", "hi"]):
+                b = nnsight_lite.save(lm.inputs[1]["input_ids"].clone())
+            with tracer.invoke():
+                full = nnsight_lite.save({k: lm.inputs[1][k].clone()
+                                          for k in ("input_ids", "attention_mask")})
+        pad = tok.pad_token_id
+        assert a.tolist() == [[pad] * 3 + tok("hello world")["input_ids"]]
+        assert b.tolist() == [tok("the big red dog sat")["input_ids"],
+                              [pad] * 4 + tok("hi")["input_ids"]]
+        assert full["input_ids"].shape == (3, 5)
+        assert full["attention_mask"].tolist() == [[0, 0, 0, 1, 1], [1] * 5, [0, 0, 0, 0, 1]]
+
+    def test_tokenizer_kwargs_apply_per_invoke(self, lm):
+        with lm.trace() as tracer:
+            with tracer.invoke("the big red dog sat on the mat", max_length=3, truncation=True):
+                a = nnsight_lite.save(lm.inputs[1]["attention_mask"].sum().item())
+            with tracer.invoke("the big red dog sat on the mat"):
+                b = nnsight_lite.save(lm.inputs[1]["attention_mask"].sum().item())
+        assert (a, b) == (3, 8)
+
+    def test_other_kwargs_go_to_the_forward(self, lm):
+        # (not output_hidden_states: transformers 5 installs permanent hooks for it)
+        with lm.trace("hello world", use_cache=False):
+            cache = nnsight_lite.save([lm.output.past_key_values])
+        with lm.trace("hello world", use_cache=True):
+            cache.append(lm.output.past_key_values)
+        assert cache[0] is None and cache[1] is not None
+
+    def test_tokenizer_property_and_trace_false(self, lm, hf):
+        assert isinstance(lm.tokenizer, transformers.PreTrainedTokenizerBase)
+        out = lm.trace("hello world", trace=False)
+        with torch.no_grad():
+            plain = hf(**lm.tokenizer("hello world", return_tensors="pt")).logits
+        torch.testing.assert_close(out.logits, plain)
+
+
+# --------------------------------------------------------------------------- traces vs plain HF
+
+
+class TestAgainstTransformers:
+    def test_single_prompt_logits_equal_plain_forward(self, lm, hf):
+        with lm.trace(PROMPTS[0]):
+            logits = lm.lm_head.output.save()
+        with torch.no_grad():
+            plain = hf(**lm.tokenizer(PROMPTS[0], return_tensors="pt")).logits
+        torch.testing.assert_close(logits, plain)
+
+    def test_batched_prompts_of_different_lengths(self, lm, hf):
+        """One invoke per prompt: the batch equals the plain model on the same left-padded
+        batch (with position ids from the mask, as HF generate makes them), and every prompt's
+        predictions equal that prompt run alone."""
+        with lm.trace() as tracer:
+            outs = nnsight_lite.save([])
+            for p in PROMPTS:
+                with tracer.invoke(p):
+                    outs.append(lm.lm_head.output)
+        logits = torch.cat(outs)
+        enc = tokenize(lm, PROMPTS)
+        with torch.no_grad():
+            plain = hf(**enc, position_ids=position_ids(enc["attention_mask"])).logits
+        torch.testing.assert_close(logits, plain)
+        for i, p in enumerate(PROMPTS):
+            with torch.no_grad():
+                alone = hf(**lm.tokenizer(p, return_tensors="pt")).logits[0]
+            n = alone.shape[0]
+            torch.testing.assert_close(logits[i, -n:], alone, atol=1e-4, rtol=1e-4)
+
+    def test_block_outputs_equal_plain_hooks(self, lm, hf, arch):
+        """Saved block outputs (a tensor in transformers 5) equal forward hooks' on plain HF."""
+        enc = lm.tokenizer(PROMPTS[2], return_tensors="pt")
+        seen = []
+        handles = [b.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+                   for b in layers(hf, arch)]
+        try:
+            with torch.no_grad():
+                hf(**enc)
+        finally:
+            for h in handles:
+                h.remove()
+        with lm.trace(PROMPTS[2]):
+            hs = nnsight_lite.save([b.output.clone() for b in layers(lm, arch)])
+        assert isinstance(hs[0], torch.Tensor)
+        for got, want in zip(hs, seen):
+            torch.testing.assert_close(got, want)
+
+    def test_mlp_edit_in_one_invoke_equals_plain_hook(self, lm, hf, arch):
+        """Zeroing invoke 1's MLP output of block 1 changes only invoke 1, exactly as a plain
+        hook zeroing that row does."""
+        with lm.trace() as tracer:
+            with tracer.invoke(PROMPTS[0]):
+                a = lm.lm_head.output.save()
+            with tracer.invoke(PROMPTS[1]):
+                layers(lm, arch)[1].mlp.output[:] = 0
+                b = lm.lm_head.output.save()
+        enc = tokenize(lm, PROMPTS[:2])
+
+        def zero_row1(m, i, o):
+            o = o.clone()
+            o[1] = 0
+            return o
+
+        handle = layers(hf, arch)[1].mlp.register_forward_hook(zero_row1)
+        try:
+            with torch.no_grad():
+                plain = hf(**enc, position_ids=position_ids(enc["attention_mask"])).logits
+        finally:
+            handle.remove()
+        torch.testing.assert_close(torch.cat([a, b]), plain)
+
+    def test_cross_invoke_patching_equals_plain_hooks(self, lm, hf, arch):
+        """Invoke 1 takes invoke 0's last-token block output: same as doing it with hooks."""
+        with lm.trace() as tracer:
+            with tracer.invoke(PROMPTS[0]):
+                src = layers(lm, arch)[1].output[:, -1]
+            with tracer.invoke(PROMPTS[2]):
+                layers(lm, arch)[1].output[:, -1] = src
+                patched = lm.lm_head.output.save()
+        enc = tokenize(lm, [PROMPTS[0], PROMPTS[2]])
+
+        def patch(m, i, o):
+            o = o.clone()
+            o[1, -1] = o[0, -1]
+            return o
+
+        handle = layers(hf, arch)[1].register_forward_hook(patch)
+        try:
+            with torch.no_grad():
+                plain = hf(**enc, position_ids=position_ids(enc["attention_mask"])).logits
+        finally:
+            handle.remove()
+        torch.testing.assert_close(patched, plain[1:])
+
+
+    def test_scan_gives_shapes_without_compute(self, lm, arch):
+        with lm.scan(["hello world", "the big red dog sat"]):
+            shape = nnsight_lite.save(tuple(layers(lm, arch)[0].output.shape))
+        assert shape == (2, 5, 32)
+
+    def test_session_and_edit(self, lm, hf, arch):
+        """Sessions and persistent edits work on a LanguageModel like on any NNsight."""
+        with lm.session():
+            with lm.trace(PROMPTS[0]):
+                h = layers(lm, arch)[1].output[:, -1]
+            with lm.trace(PROMPTS[2]):
+                layers(lm, arch)[1].output[:, -1] = h
+                patched = lm.lm_head.output.save()
+        with lm.edit() as edited:
+            layers(edited, arch)[1].mlp.output[:] = 0
+        with edited.trace(PROMPTS[1]):
+            zeroed = edited.lm_head.output.save()
+        with lm.trace(PROMPTS[1]):
+            clean = lm.lm_head.output.save()
+        handle = layers(hf, arch)[1].mlp.register_forward_hook(lambda m, i, o: o * 0)
+        try:
+            with torch.no_grad():
+                plain = hf(**lm.tokenizer(PROMPTS[1], return_tensors="pt")).logits
+        finally:
+            handle.remove()
+        torch.testing.assert_close(zeroed, plain)
+        assert not torch.allclose(clean, zeroed)
+        assert patched.shape[0] == 1
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def plain_generate(hf, enc, k, hooks=(), **kw):
+    """HF generate with plain forward hooks ``[(module, fn(step, output) -> output)]``."""
+    handles = []
+    for module, fn in hooks:
+        step = [0]
+
+        def hook(m, i, o, fn=fn, step=step):
+            out = fn(step[0], o)
+            step[0] += 1
+            return out
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        return hf.generate(**enc, max_new_tokens=k, do_sample=False,
+                           pad_token_id=1, **kw)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class TestGenerate:
+    def test_tokens_equal_plain_generate(self, lm, hf):
+        with lm.generate(PROMPTS[0], max_new_tokens=5, do_sample=False) as tracer:
+            ids = lm.generator.output.save()
+        plain = plain_generate(hf, lm.tokenizer(PROMPTS[0], return_tensors="pt"), 5)
+        assert torch.equal(ids, plain)
+        assert torch.equal(tracer.result, plain)
+
+    def test_batched_invokes_equal_plain_batched_generate(self, lm, hf):
+        """Two invokes with prompts of different lengths: each sees its own rows of the ids."""
+        with lm.generate(max_new_tokens=4, do_sample=False) as tracer:
+            with tracer.invoke(PROMPTS[1]):
+                a = lm.generator.output.save()
+            with tracer.invoke(PROMPTS[2]):
+                b = lm.generator.output.save()
+        plain = plain_generate(hf, tokenize(lm, PROMPTS[1:]), 4)
+        assert torch.equal(torch.cat([a, b]), plain)
+        assert torch.equal(tracer.result, plain)
+
+    def test_steps_are_calls(self, lm, hf):
+        """Step i's lm_head output is HF generate's logits at step i, read with .next(),
+        tracer.iter[i], tracer.iter[a:b] and tracer.all()."""
+        k = 4
+        enc = lm.tokenizer(PROMPTS[0], return_tensors="pt")
+        ref = plain_generate(hf, enc, k, return_dict_in_generate=True, output_logits=True).logits
+        with lm.generate(PROMPTS[0], max_new_tokens=k, do_sample=False) as tracer:
+            by_next = nnsight_lite.save([lm.lm_head.output[:, -1].clone()])
+            for _ in range(k - 1):
+                by_next.append(lm.lm_head.next().output[:, -1].clone())
+        with lm.generate(PROMPTS[0], max_new_tokens=k, do_sample=False) as tracer:
+            for step in tracer.iter[2]:
+                two = lm.lm_head.output[:, -1].save()
+        with lm.generate(PROMPTS[0], max_new_tokens=k, do_sample=False) as tracer:
+            by_slice = nnsight_lite.save([])
+            for step in tracer.iter[1:3]:
+                by_slice.append(lm.lm_head.output[:, -1].clone())
+        with lm.generate(PROMPTS[0], max_new_tokens=k, do_sample=False) as tracer:
+            by_all = nnsight_lite.save([])
+            for step in tracer.all():
+                by_all.append(lm.lm_head.output[:, -1].clone())
+            after = nnsight_lite.save(["ran"])
+        for i in range(k):
+            torch.testing.assert_close(by_next[i], ref[i])
+            torch.testing.assert_close(by_all[i], ref[i])
+        torch.testing.assert_close(two, ref[2])
+        assert len(by_slice) == 2
+        torch.testing.assert_close(by_slice[0], ref[1])
+        assert len(by_all) == k and after == ["ran"]
+
+    def test_edit_at_chosen_steps_equals_plain_hooks(self, lm, hf, arch):
+        """Edits at steps 1 and 2 (block 1's output scaled, and token 7 forced through the
+        logits) give exactly the tokens of plain hooks doing the same at those calls."""
+        k, prompt = 5, PROMPTS[2]
+        with lm.generate(prompt, max_new_tokens=k, min_new_tokens=k, do_sample=False) as tracer:
+            for step in tracer.iter[1:3]:
+                layers(lm, arch)[1].output[:] *= -2
+                lm.lm_head.output[:, -1, 7] = 1e4
+            ids = lm.generator.output.save()
+
+        def scale(step, out):
+            return out * -2 if step in (1, 2) else out
+
+        def force(step, out):
+            if step in (1, 2):
+                out = out.clone()
+                out[:, -1, 7] = 1e4
+            return out
+
+        enc = lm.tokenizer(PROMPTS[2], return_tensors="pt")
+        hooks = [(layers(hf, arch)[1], scale), (hf.lm_head, force)]
+        plain = plain_generate(hf, enc, k, hooks=hooks, min_new_tokens=k)
+        assert torch.equal(ids, plain)
+        n = enc["input_ids"].shape[1]
+        assert ids[0, n + 1:n + 3].tolist() == [7, 7]
+        assert not torch.equal(ids, plain_generate(hf, enc, k, min_new_tokens=k))
+
+    def test_eos_ends_open_loops_and_code_after_runs(self, lm, hf):
+        """Generation stopped early by EOS ends tracer.all() / iter[:] loops; the code after
+        the loop runs and reads model.generator.output."""
+        enc = lm.tokenizer(PROMPTS[0], return_tensors="pt")
+        full = plain_generate(hf, enc, 6)
+        eos = int(full[0, enc["input_ids"].shape[1] + 2])  # the third new token
+        first = (full[0, enc["input_ids"].shape[1]:] == eos).nonzero()[0].item()
+        stopped = plain_generate(hf, enc, 6, eos_token_id=eos)
+        assert stopped.shape[1] < full.shape[1]
+        with lm.generate(PROMPTS[0], max_new_tokens=6, do_sample=False, eos_token_id=eos) as tracer:
+            by_all = nnsight_lite.save([])
+            for step in tracer.all():
+                by_all.append(lm.lm_head.output.shape)
+            ids = lm.generator.output.save()
+        with lm.generate(PROMPTS[0], max_new_tokens=6, do_sample=False, eos_token_id=eos) as t2:
+            by_iter = nnsight_lite.save([])
+            for step in t2.iter[0:]:
+                by_iter.append(lm.lm_head.output.shape)
+            ids2 = lm.generator.output.save()
+        assert len(by_all) == len(by_iter) == first + 1
+        assert torch.equal(ids, stopped) and torch.equal(tracer.result, stopped)
+        assert torch.equal(ids2, stopped) and torch.equal(t2.result, stopped)
+
+    def test_generate_trace_false(self, lm, hf):
+        ids = lm.generate(PROMPTS[1], max_new_tokens=3, do_sample=False, trace=False)
+        enc = lm.tokenizer(PROMPTS[1], return_tensors="pt")
+        assert torch.equal(ids, plain_generate(hf, enc, 3))
+
+    def test_generator_output_can_be_edited(self, lm):
+        with lm.generate(PROMPTS[1], max_new_tokens=2, do_sample=False) as tracer:
+            lm.generator.output = lm.generator.output[:, :1]
+        assert tracer.result.shape == (1, 1)
+
+    def test_generator_output_only_in_generate(self, lm):
+        with pytest.raises(nnsight_lite.NNsightError,
+                           match=r"model.generator.output \(the generated ids\) exists only "
+                                 r"inside `with model.generate"):
+            with lm.trace("hello"):
+                lm.generator.output.save()
+
+    def test_nothing_left_attached(self, lm):
+        with lm.generate(PROMPTS[1], max_new_tokens=2) as tracer:
+            pass
+        assert "generator" not in lm._module._modules
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class TestErrors:
+    @pytest.fixture
+    def arch(self):
+        """Input errors do not depend on the architecture: GPT-2 only (saves CI time)."""
+        return "gpt2"
+
+    @pytest.mark.parametrize("prompt, match", [
+        (3.5, r"cannot use a float as a prompt; pass a string, a list of strings"),
+        (["hello", 3], r"cannot use a list of int, str as a prompt"),
+        ([[1, 2], ["a"]], r"row 1 of the token ids is not all integers"),
+        ({"ids": [1]}, r"a dict prompt needs 'input_ids'; this one has keys \['ids'\]"),
+        (torch.tensor([[0.5, 1.0]]), r"input_ids must hold integers, got a tensor of dtype "
+                                     r"torch.float32"),
+        (torch.zeros(1, 2, 3, dtype=torch.long), r"1-D or 2-D tensor, got shape \(1, 2, 3\)"),
+        ([10_000], r"token id 10000 is outside this model's vocabulary \(valid ids: 0..\d+\)"),
+    ])
+    def test_wrong_prompt(self, lm, prompt, match):
+        with pytest.raises(InputError, match=match):
+            with lm.trace(prompt):
+                pass
+
+    def test_wrong_type_is_also_a_type_error(self, lm):
+        with pytest.raises(TypeError):
+            with lm.trace(None):
+                pass
+
+    @pytest.mark.parametrize("prompt", ["", ["hi", ""], [], torch.tensor([], dtype=torch.long)])
+    def test_empty_prompt(self, lm, prompt):
+        with pytest.raises(InputError, match=r"empty prompt|has no tokens"):
+            with lm.trace(prompt):
+                pass
+
+    def test_empty_invoke_prompt(self, lm):
+        with pytest.raises(InputError, match=r"empty prompt: there is no token"):
+            with lm.trace() as tracer:
+                with tracer.invoke("hello"):
+                    pass
+                with tracer.invoke(""):
+                    pass
+
+    def test_generate_needs_max_new_tokens(self, lm):
+        with pytest.raises(InputError, match=r"needs max_new_tokens=N .* "
+                                             r"model.generate\(prompt, max_new_tokens=20\)"):
+            with lm.generate("hello"):
+                pass
+
+    def test_tokenizer_options_with_token_ids(self, lm):
+        with pytest.raises(InputError, match=r"tokenizer options \['max_length'\] apply to text"):
+            with lm.trace([1, 2], max_length=3):
+                pass
+
+    def test_gpt2_path_on_llama(self, model_dirs):
+        """GPT-2's paths on a Llama model name the Llama equivalents."""
+        lm = quiet(LanguageModel, model_dirs["llama"], dispatch=True)
+        with pytest.raises(ModulePathError,
+                           match=r"model \(LlamaForCausalLM\) has no submodule or attribute "
+                                 r"'transformer'.*Its submodules are: model, lm_head. GPT-2 "
+                                 r"keeps its blocks at model.transformer.h; Llama-style models "
+                                 r"keep them at model.model.layers"):
+            with lm.trace("hello"):
+                lm.transformer.h[0].output.save()
+        with pytest.raises(ModulePathError,
+                           match=r"model.model.layers\[0\] \(LlamaDecoderLayer\) has no "
+                                 r"submodule or attribute 'attn'.*Did you mean 'self_attn'"):
+            with lm.trace("hello"):
+                lm.model.layers[0].attn.output.save()
+
+    def test_llama_path_on_gpt2(self, model_dirs):
+        lm = quiet(LanguageModel, model_dirs["gpt2"], dispatch=True)
+        with pytest.raises(ModulePathError, match=r"'layers'.*model.transformer.h"):
+            lm.layers
+        with pytest.raises(ModulePathError, match=r"'model'.*Its submodules are: transformer"):
+            lm.model.layers
