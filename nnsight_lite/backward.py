@@ -29,7 +29,7 @@ from .capture import GRAD_NAME, SET_GRAD_NAME
 from .context import RUNTIME, BodyContext
 from .batching import merge
 from .errors import GradientError, OutOfOrderError
-from .interleaver import (
+from .workers import (
     _FINISHED,
     _release_worker,
     _take_worker,

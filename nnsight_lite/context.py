@@ -19,7 +19,7 @@ from .capture import (
     write_back,
 )
 from .envoy import _saved_stack, save_in_body
-from .interleaver import wait_for_name
+from .mediator import wait_for_name
 
 RUNTIME = {SAVE_NAME: save_in_body}
 

@@ -16,7 +16,8 @@ import threading
 import torch
 
 from .errors import ModulePathError
-from .interleaver import INPUT, OUTPUT, current_mediator, user_location
+from .mediator import INPUT, OUTPUT, current_mediator
+from .workers import user_location
 
 _local = threading.local()
 

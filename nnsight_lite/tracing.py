@@ -17,7 +17,8 @@ from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patch
 from .capture import Scope
 from .context import RUNTIME, BodyContext
 from .errors import NNsightError
-from .interleaver import Interleaver, StopTrace, _collecting, current_mediator, wait_for_name
+from .interleaver import Interleaver
+from .mediator import StopTrace, _collecting, current_mediator, wait_for_name
 
 
 class Tracer(BodyContext):

@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import nnsight_lite  # noqa: F401  (patches Tensor.save / Tensor.backward once)
-from nnsight_lite.interleaver import _plans, _workers
+from nnsight_lite.interleaver import _plans
+from nnsight_lite.workers import _workers
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, max_examples=40, print_blob=True,

@@ -1,0 +1,280 @@
+"""One invoke's side of the runtime: its body, its rows of the batch, what it waits for.
+
+    Mediator              one per invoke: its worker greenlet, batch rows, pending request
+    current_mediator()    the Mediator whose body is running now (or an OutsideTraceError)
+    wait_for_name()       a body reading a name an earlier invoke has not bound yet waits for it
+    StopTrace             raised by ``tracer.stop()``; ends the forward, not an error
+
+The body side (``get``/``set``, called from Envoy properties) switches to the parent with a
+request ``(slot, kind, call)``; the parent side (``serve``, called by the interleaver when the
+model reaches that call) switches back in with the value and applies what the body left there.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from typing import TYPE_CHECKING
+
+from . import batching
+from .errors import (
+    InferenceModeSwitchError,
+    MissedModuleError,
+    OutOfOrderError,
+    OutsideTraceError,
+)
+from .workers import (
+    _FINISHED,
+    _getcurrent,
+    _note,
+    _release_worker,
+    _take_worker,
+    set_tls_state,
+    tls_state,
+    user_location,
+)
+
+if TYPE_CHECKING:
+    from .interleaver import Interleaver
+
+OUTPUT = "output"
+INPUT = "input"
+_DONE = object()
+_MISSING = object()
+#: ``depth`` > 0 while a trace without inputs runs its body to collect invokes (this thread)
+_collecting = threading.local()
+
+
+class StopTrace(BaseException):
+    """Raised by ``tracer.stop()`` to end the forward early. Not an error; never escapes a trace.
+
+    It derives from BaseException so that a model's own ``except Exception`` does not swallow it.
+    """
+
+
+class NameWait:
+    """A body's request to wait until an earlier invoke binds ``name`` in the shared scope."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def wait_for_name(scope, name: str):
+    """Called when a body reads a name nobody has bound yet.
+
+    If an earlier invoke of the same trace is still running, it may bind the name later in
+    this forward (``invoke 1`` using what ``invoke 0`` reads at the same module): wait for it.
+    Otherwise raise ``KeyError`` (Python turns that into the usual NameError).
+    """
+    med = getattr(_getcurrent(), "mediator", None)
+    if med is None or med.scope is not scope or not med.interleaver.earlier_alive(med):
+        raise KeyError(name)
+    med.parent.switch(NameWait(name))
+    return scope[name]
+
+
+def current_mediator(envoy=None, what: str = "output") -> "Mediator":
+    """The Mediator of the body running now; raise OutsideTraceError where there is none."""
+    med = getattr(_getcurrent(), "mediator", None)
+    if med is None:
+        where = envoy._path if envoy is not None else "a module"
+        if getattr(_collecting, "depth", 0):
+            raise OutsideTraceError(
+                f"{where}.{what} was read at {user_location()}, in the body of a trace that was "
+                "given no inputs. Such a body only sets up invokes: read module values inside a "
+                "`with tracer.invoke(...):` block, or pass the inputs to model.trace(...)."
+            )
+        raise OutsideTraceError(
+            f"{where}.{what} was read outside a trace body (at {user_location()}). Module values "
+            "exist only while the model runs: read them inside `with model.trace(...):` (or a "
+            "`with tracer.invoke(...):` block) and call .save() on what you want to keep."
+        )
+    return med
+
+
+class Mediator:
+    """Runtime state of one invoke: its body greenlet, its batch rows and what it waits for."""
+
+    def __init__(self, interleaver: "Interleaver", index: int, run, batch=None, scope=None):
+        self.interleaver = interleaver
+        self.index = index
+        self.batch = batch  # (start, size) or None for the whole batch
+        self.scope = scope
+        self.run_fn = run
+        self.greenlet = None
+        self.parent = None
+        self.done = False
+        self.pending = None  # (slot, kind, call) this body waits for
+        self.pending_envoy = None
+        self.cur_key = None
+        self.cur_value = None
+        self.replaced = False
+        self.skip_value = _MISSING
+        self.tls = None
+        self.iteration = 0
+        self.iter_depth = 0
+        self.offsets = {}
+        self.shared = None  # the trace's scope, where this invoke publishes what it binds
+        self.snapshot = None  # the trace body's names as of this invoke
+
+    # ---- parent side
+
+    def start(self) -> None:
+        g = _take_worker()
+        g.mediator = self
+        g.gr_context = contextvars.copy_context()
+        self.greenlet = g
+        self.parent = g.parent
+        self.interleaver.register(self, self.resume(self.run_fn))
+        self.interleaver.wake()
+
+    def resume(self, value, throw: BaseException | None = None):
+        """Switch into the body (sending ``value`` or throwing ``throw``); return its request."""
+        parent_state = tls_state()
+        if self.tls is not None and self.tls != parent_state:
+            set_tls_state(self.tls, parent_state)
+        g = self.greenlet
+        try:
+            req = g.switch(value) if throw is None else g.throw(throw)
+            if req is _FINISHED:  # the body ended; its worker goes back to the pool
+                err, g.error = g.error, None
+                _release_worker(g)
+                self.done = True
+                self.pending = None
+                if err is None:
+                    req = _DONE
+                else:
+                    raise err
+        except BaseException as exc:
+            self.done = True
+            self.pending = None
+            now = tls_state()
+            if now != parent_state:
+                set_tls_state(parent_state, now)
+            if isinstance(exc, Exception) and len(self.interleaver.mediators) > 1:
+                _note(exc, f"nnsight_lite: raised in the body of invoke {self.index} of this trace")
+            raise
+        if self.shared is not None:
+            self.publish()
+        now = tls_state()
+        self.tls = now
+        if now != parent_state:
+            set_tls_state(parent_state, now)
+            if now[1] != parent_state[1]:
+                return self.resume(None, InferenceModeSwitchError(
+                    f"invoke {self.index} waited for a module value inside its own "
+                    "torch.inference_mode() block; the model's forward cannot switch inference "
+                    "mode for it. Put the whole trace inside `with torch.inference_mode():` "
+                    "instead, or use torch.no_grad() in the body."
+                ))
+        return req
+
+    def publish(self) -> None:
+        """Copy the names this invoke has bound into the trace's shared scope, so later
+        invokes (and the write-back after the trace) see them."""
+        snap = self.snapshot
+        shared = self.shared
+        for k, v in self.scope.own_items():
+            if snap.get(k, _MISSING) is not v:
+                dict.__setitem__(shared, k, v)
+
+    def serve(self, key, full):
+        """Give the body its view of ``full`` at ``key``; return ``full`` with its edits applied."""
+        b = self.batch
+        total = self.interleaver.total
+        view = full if b is None else batching.narrow(full, b[0], b[1], total)
+        self.cur_key = key
+        self.cur_value = view
+        self.replaced = False
+        try:
+            req = self.resume(view)
+        finally:
+            self.cur_key = None
+        if self.replaced:
+            new = self.cur_value
+            full = new if b is None else batching.merge(full, new, b[0], b[1], total)
+        self.cur_value = None
+        inter = self.interleaver
+        inter.register(self, req)
+        if inter.name_waiters:
+            inter.wake()
+        return full
+
+    # ---- body side
+
+    def call_index(self, slot) -> int:
+        base = self.iteration if self.iter_depth else 0
+        return base + self.offsets.get(slot, 0)
+
+    def key_for(self, envoy, kind):
+        slot = self.interleaver.slot_of(envoy)
+        return (slot, kind, self.call_index(slot))
+
+    def get(self, envoy, kind):
+        """The value of ``envoy``'s ``kind`` at this body's current call; waits for it."""
+        key = self.key_for(envoy, kind)
+        cur = self.cur_key
+        if cur is not None and cur[0] is key[0] and cur[1] is kind and cur[2] == key[2]:
+            return self.cur_value
+        slot, _, call = key
+        passed = (slot.outs if kind is OUTPUT else slot.calls) > call
+        if passed:  # unless the model is handing out exactly this value right now
+            now = self.interleaver.serving
+            passed = now is None or now[0] is not slot or now[1] is not kind or now[2] != call
+        if passed or self.interleaver.finished:
+            raise self._late_error(envoy, key)
+        self.pending_envoy = envoy
+        return self.parent.switch(key)
+
+    def set(self, envoy, kind, value) -> None:
+        """Replace ``envoy``'s ``kind`` at this body's current call with ``value``."""
+        self.get(envoy, kind)
+        self.cur_value = value
+        self.replaced = True
+
+    def _late_error(self, envoy, key):
+        slot, kind, call = key
+        where = user_location()
+        what = f"{envoy._path}.{kind}" + (f" (call {call})" if call else "")
+        if self.interleaver.finished:
+            return MissedModuleError(
+                f"invoke {self.index} asked for {what} at {where}, after the model's forward "
+                "had already finished. Read module values while the model runs, before the end "
+                "of the body's last model access."
+            )
+        pos = self.interleaver.position
+        now = f" (the forward is now at {pos[0].label()}.{pos[1]}" + (
+            f", call {pos[2]})" if pos[2] else ")") if pos else ""
+        return OutOfOrderError(
+            f"invoke {self.index} asked for {what} at {where}, but {envoy._path} has already "
+            f"run that call{now}. A body must read module values in the order the model "
+            "computes them: move this line above the access to the later module, or read it "
+            "in a separate trace."
+        )
+
+    def missed_error(self):
+        if isinstance(self.pending, NameWait):
+            return NameError(f"name {self.pending.name!r} is not defined")
+        slot, kind, call = self.pending
+        envoy = self.pending_envoy
+        path = envoy._path if envoy is not None else slot.label()
+        where = "<unknown>"
+        if self.greenlet is not None and self.greenlet.gr_frame is not None:
+            where = user_location(self.greenlet.gr_frame)
+        what = f"{path}.{kind}" + (f" (call {call})" if call else "")
+        if self.interleaver.stopped_early:
+            reason = "the forward was stopped (tracer.stop() or an error) before it ran"
+        elif slot.calls == 0:
+            reason = (
+                f"{path} never ran in this forward: the model's forward does not call it "
+                "(it may be defined but unused, or called on another path). Check print(model) "
+                "for the module that computes the value you want"
+            )
+        else:
+            reason = (
+                f"{path} ran only {slot.calls} time(s) in this forward, so call {call} never "
+                "happened (check .next() and tracer.iter indices)"
+            )
+        return MissedModuleError(f"invoke {self.index} waited for {what} at {where}, but {reason}.")

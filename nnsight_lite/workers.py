@@ -1,0 +1,127 @@
+"""Greenlet plumbing shared by every body: pooled workers, torch's thread-local state, and
+locating the user's line.
+
+    BodyGreenlet          a worker that runs bodies (invoke or backward), one job at a time
+    _take_worker()        an idle worker (or a new one), parented to the current greenlet
+    _release_worker(w)    back to this thread's pool once its job has ended
+    tls_state()           grad mode, inference mode, autocast: what greenlets do not carry
+    set_tls_state(s, now) switch grad mode and autocast back to ``s``
+    user_location(frame)  ``file:line`` of the innermost frame outside nnsight_lite
+
+A worker runs ``job()`` and then switches to its parent with ``_FINISHED``; an exception the job
+raised is left in ``worker.error`` for the parent to re-raise. Reusing workers makes starting a
+body a switch instead of a greenlet creation plus its first switch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import greenlet
+import torch
+
+if TYPE_CHECKING:
+    from .mediator import Mediator
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_getcurrent = greenlet.getcurrent
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+_is_inference = torch.is_inference_mode_enabled
+_is_autocast = torch.is_autocast_enabled
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_set_autocast = torch.set_autocast_enabled
+
+
+class BodyGreenlet(greenlet.greenlet):
+    """A worker greenlet that runs invoke bodies, one job at a time.
+
+    ``mediator`` links it to the body it runs now (None while idle in the pool). Workers are
+    reused across traces: handing a job to a waiting worker costs a switch, creating a greenlet
+    and running it for the first time costs several microseconds more.
+    """
+
+    mediator: "Mediator | None" = None  # the invoke body it runs now
+    grads = None  # or the backward.Backward whose body it runs now
+    error: "BaseException | None" = None
+
+
+_FINISHED = object()
+_pool = threading.local()
+_POOL_MAX = 64
+#: every worker ever made and still alive, so tests can check none is left mid-body
+_workers: "weakref.WeakSet[BodyGreenlet]" = weakref.WeakSet()
+
+
+def _worker_main(job):
+    me = _getcurrent()
+    while True:
+        try:
+            job()
+        except BaseException as exc:  # handed to the parent, which re-raises it
+            me.error = exc
+        job = None
+        job = me.parent.switch(_FINISHED)
+
+
+def _take_worker() -> BodyGreenlet:
+    idle = getattr(_pool, "idle", None)
+    if idle:
+        w = idle.pop()
+        w.parent = _getcurrent()
+        return w
+    w = BodyGreenlet(_worker_main, _getcurrent())
+    _workers.add(w)
+    return w
+
+
+def _release_worker(w: BodyGreenlet) -> None:
+    w.mediator = None
+    idle = getattr(_pool, "idle", None)
+    if idle is None:
+        idle = _pool.idle = []
+    if len(idle) < _POOL_MAX:
+        idle.append(w)
+
+
+# --------------------------------------------------------------------------- thread-local state
+
+
+def tls_state():
+    if _any_autocast():
+        return (_is_grad_enabled(), _is_inference(), _is_autocast("cpu"), _is_autocast("cuda"))
+    return (_is_grad_enabled(), _is_inference(), False, False)
+
+
+def set_tls_state(state, now) -> None:
+    """Switch grad mode and autocast from ``now`` to ``state`` (inference mode cannot be set)."""
+    if state[0] != now[0]:
+        _set_grad_enabled(state[0])
+    if state[2] != now[2]:
+        _set_autocast("cpu", state[2])
+    if state[3] != now[3]:
+        _set_autocast("cuda", state[3])
+
+
+# --------------------------------------------------------------------------- locating user code
+
+
+def user_location(frame=None) -> str:
+    """``file:line`` of the innermost frame outside nnsight_lite (the user's line)."""
+    f = frame if frame is not None else sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not os.path.abspath(fn).startswith(_PACKAGE_DIR) and "greenlet" not in fn:
+            return f"{fn}:{f.f_lineno}"
+        f = f.f_back
+    return "<unknown>"
+
+
+def _note(exc: BaseException, text: str) -> None:
+    """Add ``text`` to ``exc``'s notes once (Python 3.11+; a no-op on 3.10)."""
+    if hasattr(exc, "add_note") and text not in getattr(exc, "__notes__", ()):
+        exc.add_note(text)
