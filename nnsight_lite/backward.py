@@ -154,6 +154,7 @@ class Backward(BodyContext):
         self._finished = False
         self._pending = None
         self._kill = None
+        self._last = None
 
     def _on_exit(self, frame):
         self._run_in_scope(frame, self._run)
@@ -235,6 +236,7 @@ class Backward(BodyContext):
         self.cur = t
         self.cur_value = value
         self._seq = _seq_of(t)
+        self._last = t
         try:
             req = self._resume(value)
         finally:
@@ -257,9 +259,10 @@ class Backward(BodyContext):
         seq = _seq_of(t)
         if self._seq is not None and seq is not None and seq > self._seq:
             raise OutOfOrderError(
-                f".grad of {_describe(t)} was read at {user_location()}, but backprop has already "
-                "passed it: it was computed after the tensor whose gradient was read last. "
-                "Gradients arrive in reverse execution order: read the later layer's .grad first."
+                f".grad of a {_describe(t)} was read at {user_location()}, but backprop has "
+                f"already passed it: it was computed after the {_describe(self._last)} whose "
+                ".grad was read before it. Gradients arrive in reverse execution order: read "
+                "the later tensor's .grad first (here: this one before the other)."
             )
         return greenlet.getcurrent().parent.switch(t)
 

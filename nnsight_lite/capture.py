@@ -50,12 +50,13 @@ class IterationEnd(Exception):
 class Body:
     """A compiled with-block body and where it came from."""
 
-    __slots__ = ("code", "filename", "lineno", "end_lineno", "trivial", "body_line")
+    __slots__ = ("code", "filename", "lineno", "end_lineno", "trivial", "body_line", "assigned")
 
     def __init__(self, code: CodeType, filename: str, lineno: int, end_lineno: int, trivial: bool,
                  body_line: int):
         self.code = code
         self.body_line = body_line  # the first line of the body (the header may span several)
+        self.assigned: tuple = ()  # every name the body may bind (a superset is fine)
         # A body of only `pass`/`...`/strings: harmless to run inline, and CPython may emit
         # its line outside the with-block's handler, so it is not skipped.
         self.trivial = trivial
@@ -125,8 +126,26 @@ def _compile_body(frame: FrameType, what: str) -> Body:
         isinstance(st, ast.Pass) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))
         for st in node.body
     )
-    return Body(code, filename, node.lineno, node.end_lineno or node.lineno, trivial,
+    body = Body(code, filename, node.lineno, node.end_lineno or node.lineno, trivial,
                 node.body[0].lineno)
+    body.assigned = _assigned_names(node.body)
+    return body
+
+
+def _assigned_names(stmts) -> tuple:
+    """Names a block may bind: assignment targets, imports, defs, classes (nested ones too)."""
+    names = set()
+    for stmt in stmts:
+        for n in ast.walk(stmt):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                names.add(n.id)
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            elif isinstance(n, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in n.names)
+            elif isinstance(n, ast.ExceptHandler) and n.name:
+                names.add(n.name)
+    return tuple(sorted(names))
 
 
 def _with_at(tree: ast.AST, lineno: int):

@@ -118,6 +118,7 @@ class Mediator:
         self.offsets = {}
         self.shared = None  # the trace's scope, where this invoke publishes what it binds
         self.snapshot = None  # the trace body's names as of this invoke
+        self.assigned = ()  # the names this invoke's body may bind (what publish copies)
 
     # ---- parent side
 
@@ -176,8 +177,10 @@ class Mediator:
         invokes (and the write-back after the trace) see them."""
         snap = self.snapshot
         shared = self.shared
-        for k, v in self.scope.own_items():
-            if snap.get(k, _MISSING) is not v:
+        scope = self.scope
+        for k in self.assigned:
+            v = dict.get(scope, k, _MISSING)
+            if v is not _MISSING and snap.get(k, _MISSING) is not v:
                 dict.__setitem__(shared, k, v)
 
     def serve(self, key, full):

@@ -124,7 +124,7 @@ class Tracer(BodyContext):
             own = Scope(scope, scope._globals, RUNTIME, wait_for_name)
             dict.update(own, snapshot)
             med = inter.add(_body_runner(body.code, own), batch, own)
-            med.shared, med.snapshot = scope, snapshot
+            med.shared, med.snapshot, med.assigned = scope, snapshot, body.assigned
         if self._scan:
             _run_fake(inter, model, args, kwargs)
         else:
