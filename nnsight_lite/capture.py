@@ -293,8 +293,9 @@ class Scope(dict):
     """The namespace a body runs in.
 
     The body's own assignments live in this dict; names it does not define are looked up, at
-    the moment they are read, in the caller's locals, then its globals, then builtins. All
-    invokes of one trace share one Scope, so a later invoke sees what an earlier one bound.
+    the moment they are read, in the caller's locals, then its globals, then builtins. Each
+    invoke of a trace runs in a ``child`` of the trace's Scope, so it sees the trace body's
+    names and what other invokes publish there, while its own bindings stay its own.
     """
 
     __slots__ = ("_locals", "_globals", "_builtins", "_on_missing", "keep_all")
@@ -326,6 +327,24 @@ class Scope(dict):
         except KeyError:
             pass
         return self._on_missing(self, name)  # an earlier invoke may still bind it
+
+    def child(self, names: dict) -> "Scope":
+        """A Scope holding ``names`` whose lookups fall back to this one."""
+        c = Scope.__new__(Scope)
+        c.keep_all = False
+        c._on_missing = self._on_missing
+        c._locals = self
+        c._globals = self._globals
+        c._builtins = self._builtins
+        for k in _INTERNAL:
+            if dict.__contains__(self, k):
+                dict.__setitem__(c, k, dict.__getitem__(self, k))
+        dict.update(c, names)
+        return c
+
+    def own_dict(self) -> dict:
+        """The names the body itself bound, as a dict."""
+        return {k: v for k, v in dict.items(self) if k not in _INTERNAL}
 
     def knows(self, name: str) -> bool:
         """Whether ``name`` is bound here or in an enclosing Scope (another body's names)."""

@@ -301,10 +301,11 @@ class Interleaver:
         key = (slot, OUTPUT, call)
         self.position = self.serving = key
         waiting = slot.wait_out
+        state = tls_state()  # the forward's; every resume puts it back
         try:
             while call in waiting:  # bodies woken while serving may ask for this same value
                 for med in waiting.pop(call):
-                    out = med.serve(key, out)
+                    out = med.serve(key, out, state)
         finally:
             self.serving = None
         return out
@@ -317,10 +318,11 @@ class Interleaver:
         whole = _MISSING
         partial = []
         waiting = slot.wait_in
+        state = tls_state()
         try:
             while call in waiting:
                 for med in waiting.pop(call):
-                    value = med.serve(key, value)
+                    value = med.serve(key, value, state)
                     if med.skip_value is not _MISSING:
                         if med.batch is None:
                             whole = med.skip_value

@@ -97,6 +97,10 @@ def current_mediator(envoy=None, what: str = "output") -> "Mediator":
 class Mediator:
     """Runtime state of one invoke: its body greenlet, its batch rows and what it waits for."""
 
+    __slots__ = ("interleaver", "index", "batch", "scope", "run_fn", "greenlet", "parent", "done",
+                 "pending", "pending_envoy", "cur_key", "cur_value", "replaced", "skip_value",
+                 "tls", "iteration", "iter_depth", "offsets", "shared", "snapshot", "assigned")
+
     def __init__(self, interleaver: "Interleaver", index: int, run, batch=None, scope=None):
         self.interleaver = interleaver
         self.index = index
@@ -131,9 +135,13 @@ class Mediator:
         self.interleaver.register(self, self.resume(self.run_fn))
         self.interleaver.wake()
 
-    def resume(self, value, throw: BaseException | None = None):
-        """Switch into the body (sending ``value`` or throwing ``throw``); return its request."""
-        parent_state = tls_state()
+    def resume(self, value, throw: BaseException | None = None, parent_state=None):
+        """Switch into the body (sending ``value`` or throwing ``throw``); return its request.
+
+        ``parent_state`` is the caller's ``tls_state()`` when it already has it.
+        """
+        if parent_state is None:
+            parent_state = tls_state()
         if self.tls is not None and self.tls != parent_state:
             set_tls_state(self.tls, parent_state)
         g = self.greenlet
@@ -183,7 +191,7 @@ class Mediator:
             if v is not _MISSING and snap.get(k, _MISSING) is not v:
                 dict.__setitem__(shared, k, v)
 
-    def serve(self, key, full):
+    def serve(self, key, full, parent_state=None):
         """Give the body its view of ``full`` at ``key``; return ``full`` with its edits applied."""
         b = self.batch
         total = self.interleaver.total
@@ -192,7 +200,7 @@ class Mediator:
         self.cur_value = view
         self.replaced = False
         try:
-            req = self.resume(view)
+            req = self.resume(view, None, parent_state)
         finally:
             self.cur_key = None
         if self.replaced:

@@ -121,8 +121,7 @@ class Tracer(BodyContext):
                 continue
             # Each invoke has its own scope: the trace body's names as of the invoke, then what
             # it binds itself; what other invokes bind reaches it through the shared `scope`.
-            own = Scope(scope, scope._globals, RUNTIME, wait_for_name)
-            dict.update(own, snapshot)
+            own = scope.child(snapshot)
             med = inter.add(_body_runner(body.code, own), batch, own)
             med.shared, med.snapshot, med.assigned = scope, snapshot, body.assigned
         if self._scan:
@@ -181,7 +180,7 @@ class Invoker(BodyContext):
     def _on_exit(self, frame):
         # The trace body's names as they are now (a loop variable's current value, say): this
         # invoke's body will see these, not what the names hold when the collecting ends.
-        self._snapshot = dict(frame.f_locals.own_items())
+        self._snapshot = frame.f_locals.own_dict()
         self._tracer._invokes.append(self)
 
 
