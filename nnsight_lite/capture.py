@@ -298,7 +298,7 @@ class Scope(dict):
     names and what other invokes publish there, while its own bindings stay its own.
     """
 
-    __slots__ = ("_locals", "_globals", "_builtins", "_on_missing", "keep_all")
+    __slots__ = ("_locals", "_globals", "_builtins", "_on_missing", "keep_all", "_base")
 
     def __init__(self, caller_locals, caller_globals, runtime: dict, on_missing):
         super().__init__()
@@ -308,9 +308,9 @@ class Scope(dict):
         self._globals = caller_globals
         b = caller_globals.get("__builtins__", builtins)
         self._builtins = b if isinstance(b, dict) else vars(b)
-        dict.__setitem__(self, "__builtins__", b)
-        dict.__setitem__(self, ITER_END_NAME, IterationEnd)
-        self.update(runtime)  # SAVE_NAME, GRAD_NAME, SET_GRAD_NAME -> their functions
+        # the entries every body needs: builtins, and what the body rewrites call
+        self._base = {"__builtins__": b, ITER_END_NAME: IterationEnd, **runtime}
+        dict.update(self, self._base)
 
     def __missing__(self, name):
         try:
@@ -336,9 +336,8 @@ class Scope(dict):
         c._locals = self
         c._globals = self._globals
         c._builtins = self._builtins
-        for k in _INTERNAL:
-            if dict.__contains__(self, k):
-                dict.__setitem__(c, k, dict.__getitem__(self, k))
+        c._base = self._base
+        dict.update(c, self._base)
         dict.update(c, names)
         return c
 
