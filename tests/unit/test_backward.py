@@ -187,6 +187,19 @@ class TestThreads:
                 threads.append(threading.get_ident())
         assert threads == [threading.get_ident()] * 2
 
+    def test_backward_runs_with_autograd_multithreading_off(self, seq):
+        """With multithreading off autograd runs device work on the calling thread (PyTorch's
+        documented behaviour of set_multithreading_enabled(False)); outside it is restored."""
+        model = NNsight(seq)
+        seen = []
+        with model.trace(torch.randn(2, 6)):
+            h = model[1].output
+            with model.output.sum().backward():
+                g = h.grad
+                seen.append(torch.autograd.is_multithreading_enabled())
+        assert seen == [False]
+        assert torch.autograd.is_multithreading_enabled()
+
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (autograd device threads)")
     def test_cuda_backward_runs_on_calling_thread(self):
         seq = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)).cuda()
