@@ -6,7 +6,9 @@
     inputs(spec, sizes, seed)  one input batch per invoke
     forward_events(module, x)  the plain forward's events in execution order, with their values
     programs(events, ...)      lists of Op: reads and edits at events, in or out of order
-    reference(module, x, ops)  what plain forward hooks see and do for the same ops
+    edit_programs(events)      in-order lists of edits only (persistent ``model.edit()`` bodies)
+    reference(module, x, ops)  what plain forward hooks see and do for the same ops (optionally
+                               with outputs patched to values carried over from another run)
     run_op(op, envoys, ...)    what a trace body does for one Op (called from literal bodies)
     leftovers(module)          hooks, traced forwards, suspended body greenlets left behind
     torch_modes()              grad / inference / autocast state, to compare before and after
@@ -323,6 +325,18 @@ def programs(draw, events, *, edits=True, in_order=True, modes=False, max_size=8
     return [draw(op_at(events[i], edits=edits, modes=modes)) for i in idx]
 
 
+def as_edit(op: Op) -> Op:
+    """``op`` as an edit: a read becomes a replacement of the same value."""
+    if op.action != "read":
+        return op
+    return dataclasses.replace(op, action="replace", kind="input" if op.kind == "inputs" else op.kind)
+
+
+def edit_programs(events, max_size=3):
+    """In-order programs of edits only (what a persistent ``model.edit()`` body does)."""
+    return programs(events, edits=True, max_size=max_size).map(lambda p: [as_edit(op) for op in p])
+
+
 def first_disorder(ops) -> int | None:
     """Index of the first op whose event comes before an earlier op's event, or None."""
     last = -1
@@ -455,12 +469,17 @@ def envoys_of(model) -> dict:
 # --------------------------------------------------------------------------- plain references
 
 
-def reference(module: torch.nn.Module, x, ops, retain=False):
+def reference(module: torch.nn.Module, x, ops, retain=False, patch=None):
     """Plain forward hooks doing ``ops`` (reads and edits) at their events.
 
+    ``patch``: ``{(path, call): value}``, outputs replaced by ``value`` after that event's ops
+    (a value carried over from another trace, as sessions do).
+
     Returns ``(reads, output, outputs)``: the snapshots reads take, in op order; the final
-    output; and (with ``retain``) every output event's tensors, with ``retain_grad()`` called.
+    output; and (with ``retain``) every output event's value after its ops (tensors as a
+    list; ``retain_grad()`` called on those that require grad).
     """
+    patch = patch or {}
     at = defaultdict(list)
     for op in ops:
         at[(op.path, "input" if op.kind in ("input", "inputs") else "output", op.call)].append(op)
@@ -491,6 +510,8 @@ def reference(module: torch.nn.Module, x, ops, retain=False):
                     inplace_edit(op, out)
                 elif op.action == "replace":
                     out = replaced(op, out)
+            if (name, call) in patch:
+                out = patch[(name, call)]
             if retain:
                 elems = list(out) if isinstance(out, tuple) else [out]
                 for t in elems:
