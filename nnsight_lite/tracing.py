@@ -66,6 +66,12 @@ class Tracer(BodyContext):
             "so write a plain `if model.layer.output.sum() > 0:` instead"
         )
 
+    def barrier(self, n: int):
+        """nnsight's cross-invoke barrier, for compatibility: ``b = tracer.barrier(2)`` then
+        ``b()`` in each invoke. Not needed here (an invoke reading a name another invoke binds
+        at the same module waits for it by itself), so calling it does nothing."""
+        return _no_barrier
+
     def all(self):
         """Loop over every call of the modules a body reads: ``for step in tracer.all():``."""
         return _iterate(slice(None))
@@ -133,6 +139,10 @@ class Tracer(BodyContext):
         """What runs under the interleaver: the model's forward (``model.generate`` runs HF
         generate instead; see language.py)."""
         return self.model._run_forward(args, kwargs)
+
+
+def _no_barrier() -> None:
+    return None
 
 
 def _body_runner(code, scope):

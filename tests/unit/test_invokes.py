@@ -151,3 +151,19 @@ class TestBatching:
                     raise ValueError("second invoke broke")
         notes = getattr(info.value, "__notes__", [])
         assert any("invoke 1" in n for n in notes), notes
+
+
+def test_nnsight_barrier_idiom_still_works(seq):
+    """Code written for nnsight's barrier runs unchanged (the barrier is not needed here)."""
+    model = NNsight(seq)
+    clean, corrupt = torch.randn(1, 6), torch.randn(1, 6)
+    with model.trace() as tracer:
+        barrier = tracer.barrier(2)
+        with tracer.invoke(clean):
+            emb = model[0].output
+            barrier()
+        with tracer.invoke(corrupt):
+            barrier()
+            model[0].output[:] = emb
+            patched = model.output.save()
+    torch.testing.assert_close(patched, seq(clean))
