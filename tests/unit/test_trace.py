@@ -247,3 +247,14 @@ class TestScan:
             logits_shape = nnsight_lite.save(model.output["logits"].shape)
         assert tuple(shape) == (5, 8)
         assert tuple(logits_shape) == (5, 2)
+
+
+def test_trace_with_an_empty_body_runs_the_forward_once(seq):
+    calls = []
+    h = seq[3].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with NNsight(seq).trace(torch.randn(2, 6)):
+            pass
+    finally:
+        h.remove()
+    assert calls == [1]
