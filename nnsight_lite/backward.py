@@ -29,17 +29,18 @@ from .capture import GRAD_NAME, SET_GRAD_NAME
 from .context import RUNTIME, BodyContext
 from .batching import merge
 from .errors import GradientError, OutOfOrderError
+from .mediator import _DONE
 from .workers import (
     _FINISHED,
-    _release_worker,
     _take_worker,
     set_tls_state,
+    switch_job,
     tls_state,
+    unwind,
     user_location,
 )
 
 _original_backward = torch.Tensor.backward
-_DONE = object()
 _CALLS = frozenset({"CALL", "CALL_KW", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW",
                     "CALL_FUNCTION_EX", "PRECALL"})
 _WITH = frozenset({"BEFORE_WITH", "SETUP_WITH"})
@@ -153,7 +154,6 @@ class Backward(BodyContext):
         self._seq = None
         self._finished = False
         self._pending = None
-        self._kill = None
         self._last = None
 
     def _on_exit(self, frame):
@@ -190,29 +190,21 @@ class Backward(BodyContext):
             self._finished = True
             for h in self._handles:
                 h.remove()
-            for _ in range(3):
-                if self._done:
-                    break
-                self._kill = greenlet.GreenletExit()
-                try:
-                    self._resume(None, self._kill)
-                except BaseException:
-                    pass
+            if not self._done:
+                unwind(self._greenlet)
             now = tls_state()
             if now != saved_state:
                 set_tls_state(saved_state, now)
 
     def _resume(self, value, throw=None):
         """Switch into the body; return its next request, or _DONE when it has ended."""
-        g = self._greenlet
-        req = g.switch(value) if throw is None else g.throw(throw)
-        if req is _FINISHED:
-            err, g.error = g.error, None
-            g.grads = None
-            _release_worker(g)
+        try:
+            req = switch_job(self._greenlet, value, throw)
+        except BaseException:  # the body ended with an exception, which is the user's
             self._done = True
-            if err is not None and err is not self._kill:  # not the exit we threw in ourselves
-                raise err
+            raise
+        if req is _FINISHED:
+            self._done = True
             return _DONE
         return req
 

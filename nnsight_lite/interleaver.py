@@ -26,7 +26,6 @@ import threading
 import weakref
 from bisect import insort
 
-import greenlet
 import torch
 
 from . import batching
@@ -34,11 +33,10 @@ from .capture import IterationEnd
 from .errors import NNsightError, OutsideTraceError
 from .mediator import _DONE, _MISSING, INPUT, OUTPUT, Mediator, NameWait, StopTrace
 from .workers import (
-    _FINISHED,
     _getcurrent,
-    _release_worker,
     set_tls_state,
     tls_state,
+    unwind,
     user_location,
 )
 
@@ -178,17 +176,8 @@ class Interleaver:
     def _kill_all(self) -> None:
         """Unwind every body still suspended (its ``finally`` blocks run) and free its worker."""
         for med in self.mediators:
-            g = med.greenlet
-            for _ in range(3):
-                if med.done or g is None:
-                    break
-                try:
-                    if g.throw(greenlet.GreenletExit) is _FINISHED:
-                        g.error = None
-                        _release_worker(g)
-                        med.done = True
-                except BaseException:  # a body's cleanup failing must not mask the real outcome
-                    pass
+            if not med.done and med.greenlet is not None:
+                unwind(med.greenlet)
             med.done = True
             med.scope = None
 

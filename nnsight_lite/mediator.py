@@ -27,9 +27,9 @@ from .workers import (
     _FINISHED,
     _getcurrent,
     _note,
-    _release_worker,
     _take_worker,
     set_tls_state,
+    switch_job,
     tls_state,
     user_location,
 )
@@ -144,18 +144,12 @@ class Mediator:
             parent_state = tls_state()
         if self.tls is not None and self.tls != parent_state:
             set_tls_state(self.tls, parent_state)
-        g = self.greenlet
         try:
-            req = g.switch(value) if throw is None else g.throw(throw)
-            if req is _FINISHED:  # the body ended; its worker goes back to the pool
-                err, g.error = g.error, None
-                _release_worker(g)
+            req = switch_job(self.greenlet, value, throw)
+            if req is _FINISHED:  # the body ended; its worker is back in the pool
                 self.done = True
                 self.pending = None
-                if err is None:
-                    req = _DONE
-                else:
-                    raise err
+                req = _DONE
         except BaseException as exc:
             self.done = True
             self.pending = None

@@ -81,11 +81,40 @@ def _take_worker() -> BodyGreenlet:
 
 def _release_worker(w: BodyGreenlet) -> None:
     w.mediator = None
+    w.grads = None
     idle = getattr(_pool, "idle", None)
     if idle is None:
         idle = _pool.idle = []
     if len(idle) < _POOL_MAX:
         idle.append(w)
+
+
+def switch_job(w: BodyGreenlet, value=None, throw: BaseException | None = None):
+    """Switch into worker ``w`` (sending ``value``, or throwing ``throw``); return what its job
+    switched out with. When the job has ended the worker goes back to the pool and this returns
+    ``_FINISHED``, or raises the exception the job ended with."""
+    req = w.switch(value) if throw is None else w.throw(throw)
+    if req is _FINISHED:
+        err, w.error = w.error, None
+        _release_worker(w)
+        if err is not None:
+            raise err
+    return req
+
+
+def unwind(w: BodyGreenlet) -> bool:
+    """End the job of a worker suspended mid-body: throw ``GreenletExit`` in (the body's
+    ``finally`` blocks run) until the job returns, and free the worker. A body that keeps
+    catching it is given up on after three tries (returns False)."""
+    for _ in range(3):
+        try:
+            if w.throw(greenlet.GreenletExit) is _FINISHED:
+                w.error = None
+                _release_worker(w)
+                return True
+        except BaseException:  # a body's cleanup failing must not mask the real outcome
+            pass
+    return False
 
 
 # --------------------------------------------------------------------------- thread-local state
