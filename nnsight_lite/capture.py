@@ -1,7 +1,7 @@
 """Turn the body of a ``with`` statement into code that runs later, and write results back.
 
     find_body(frame)      the compiled body of the with-statement the frame is entering (cached)
-    skip_body(frame, n)   arrange for the frame to jump over that body (returns a restore token)
+    skip_body(frame, sk)  arrange for the frame to jump over that body (returns a restore token)
     restore_tracing(tok)  undo skip_body's tracing changes
     Scope                 the namespace a body runs in: its own names, falling back to the caller's
     write_back(frame, d)  put saved names back into the caller's scope
@@ -50,7 +50,8 @@ class IterationEnd(Exception):
 class Body:
     """A compiled with-block body and where it came from."""
 
-    __slots__ = ("code", "filename", "lineno", "end_lineno", "trivial", "body_line", "assigned")
+    __slots__ = ("code", "filename", "lineno", "end_lineno", "trivial", "body_line", "assigned",
+                 "skipper")
 
     def __init__(self, code: CodeType, filename: str, lineno: int, end_lineno: int, trivial: bool,
                  body_line: int):
@@ -63,6 +64,7 @@ class Body:
         self.filename = filename
         self.lineno = lineno
         self.end_lineno = end_lineno
+        self.skipper = _Skipper(body_line)  # the line tracer that skips this body
 
 
 _bodies: OrderedDict = OrderedDict()
@@ -260,22 +262,31 @@ def _no_global_trace(frame, event, arg):
     return None
 
 
-def _skipper(body_line: int):
-    def raise_skip(frame, event, arg):
+class _Skipper:
+    """The local trace function that raises ``SkipBody`` on a body's first line.
+
+    One per Body, made once: a closure returning itself would be a reference cycle per
+    ``with`` statement, left for the garbage collector.
+    """
+
+    __slots__ = ("body_line",)
+
+    def __init__(self, body_line: int):
+        self.body_line = body_line
+
+    def __call__(self, frame, event, arg):
         # A header spanning several lines (`with model.trace(x,\n) as tracer:`) has line events
         # of its own before the `as` name is bound: wait for the body's first line.
-        if event == "line" and frame.f_lineno >= body_line:
+        if event == "line" and frame.f_lineno >= self.body_line:
             raise SkipBody
-        return raise_skip
-
-    return raise_skip
+        return self
 
 
-def skip_body(frame: FrameType, body_line: int):
-    """Make ``frame`` raise ``SkipBody`` when it reaches ``body_line``. Returns what
-    ``restore_tracing`` needs."""
+def skip_body(frame: FrameType, skipper: _Skipper):
+    """Make ``frame`` raise ``SkipBody`` when it reaches the body ``skipper`` belongs to.
+    Returns what ``restore_tracing`` needs."""
     token = (sys.gettrace(), frame, frame.f_trace)
-    frame.f_trace = _skipper(body_line)
+    frame.f_trace = skipper
     sys.settrace(token[0] or _no_global_trace)
     return token
 

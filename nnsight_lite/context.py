@@ -38,13 +38,14 @@ class BodyContext:
         self._body = find_body(frame, self._what)
         self._frame = frame
         body = self._body
-        self._token = None if body.trivial else skip_body(frame, body.body_line)
+        self._token = None if body.trivial else skip_body(frame, body.skipper)
 
     def __exit__(self, exc_type, exc, tb):
-        if self._token is not None:
-            restore_tracing(self._token)
+        token, self._token = self._token, None  # it holds the frame: no cycle through it
+        if token is not None:
+            restore_tracing(token)
         frame, self._frame = self._frame, None
-        if exc_type is not (None if self._token is None else SkipBody):
+        if exc_type is not (None if token is None else SkipBody):
             return False
         self._on_exit(frame)
         return True

@@ -179,7 +179,12 @@ class Interleaver:
             if not med.done and med.greenlet is not None:
                 unwind(med.greenlet)
             med.done = True
-            med.scope = None
+            med.scope = med.shared = med.snapshot = med.run_fn = med.greenlet = None
+        # Mediators point back here: without this the trace's objects (its bodies' scopes and
+        # the activations they hold) would form a cycle, freed only when the garbage collector
+        # next runs, which for GPU memory can be far too late.
+        self.mediators = []
+        self.position = self.serving = None
 
     def register(self, med: Mediator, req) -> None:
         if req is _DONE or med.done:

@@ -98,7 +98,11 @@ def switch_job(w: BodyGreenlet, value=None, throw: BaseException | None = None):
         err, w.error = w.error, None
         _release_worker(w)
         if err is not None:
-            raise err
+            throw = None
+            try:
+                raise err
+            finally:  # a local holding an exception that passes through its own frame is a
+                err = None  # reference cycle (exception -> traceback -> frame -> exception)
     return req
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 
 from nnsight_lite import NNsight
+from nnsight_lite.errors import OutOfOrderError
 
 
 def test_unsaved_activations_are_freed(seq):
@@ -49,3 +51,86 @@ def test_error_path_frees_activations(seq):
         pass
     gc.collect()
     assert refs and refs[0]() is None
+
+
+def _cycles_left_by(fn) -> list:
+    """Run ``fn`` with the garbage collector off; return the objects it left in reference
+    cycles (what only the collector would free), by type name."""
+    gc.collect()
+    gc.disable()
+    try:
+        fn()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        return sorted({type(o).__name__ for o in gc.garbage})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+def test_traces_free_everything_without_the_garbage_collector(seq):
+    """Everything a trace makes is freed by reference counting as soon as it ends: activations
+    (GPU memory!) must not wait for a garbage-collector pass that allocations on the device
+    never trigger. Covers one invoke, several invokes passing values, backward bodies in and
+    after a trace, sessions, tracer.stop() and bodies that fail."""
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+
+    def one_invoke():
+        with model.trace(x):
+            model[1].output[:] = 0
+            out = model.output.save()
+        assert out.shape == (2, 6)
+
+    def invokes():
+        with model.trace() as tracer:
+            for i in range(3):
+                with tracer.invoke(x + i):
+                    h = model[1].output
+                    out = model.output.save()
+            with tracer.invoke(x):
+                model[1].output[:] = h
+        assert out.shape == (2, 6)
+
+    def backward():
+        with model.trace(x.requires_grad_(True)):
+            hs = model[1].output.save()
+            loss = model.output.sum()
+            with loss.backward(retain_graph=True):
+                g = hs.grad.save()
+        with (hs * 2).sum().backward():
+            g2 = hs.grad.save()
+        assert torch.equal(g2, torch.full_like(hs, 2.0)) and g.shape == hs.shape
+
+    def session():
+        with model.session():
+            with model.trace(x):
+                h = model[1].output
+            with model.trace(x):
+                model[1].output = h * 2
+                out = model.output.save()
+        assert out.shape == (2, 6)
+
+    def stopped():
+        with model.trace(x) as tracer:
+            h = model[1].output.save()
+            tracer.stop()
+        assert h.shape == (2, 6)
+
+    def failed():
+        with pytest.raises(ValueError):
+            with model.trace() as tracer:
+                with tracer.invoke(x):
+                    h = model[1].output
+                with tracer.invoke(x):
+                    model[1].output[:] = h
+                    raise ValueError("the user's bug")
+        with pytest.raises(OutOfOrderError):
+            with model.trace(x):
+                out = model[2].output
+                h = model[0].output
+
+    for fn in (one_invoke, invokes, backward, session, stopped, failed):
+        fn()  # warm the caches first (compiled bodies are kept)
+        assert _cycles_left_by(fn) == [], fn.__name__
