@@ -1,6 +1,8 @@
-"""Ground truth with plain PyTorch hooks."""
+"""Ground truth with plain PyTorch hooks, and a reference-cycle probe."""
 
 from __future__ import annotations
+
+import gc
 
 import torch
 
@@ -32,3 +34,19 @@ def record(model: torch.nn.Module, names, *args, edits=None, **kwargs):
         for h in handles:
             h.remove()
     return seen, out
+
+
+def cycles_left_by(fn) -> list:
+    """Run ``fn`` with the garbage collector off; return the objects it left in reference
+    cycles (what only the collector would free), by type name."""
+    gc.collect()
+    gc.disable()
+    try:
+        fn()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        return sorted({type(o).__name__ for o in gc.garbage})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()

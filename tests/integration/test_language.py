@@ -11,6 +11,8 @@ import torch
 import transformers
 from conftest import layers, make_tokenizer
 
+from tests.helpers import cycles_left_by
+
 import nnsight_lite
 from nnsight_lite import InputError, LanguageModel, ModulePathError
 
@@ -596,3 +598,30 @@ class TestErrors:
             lm.layers
         with pytest.raises(ModulePathError, match=r"'model'.*Its submodules are: transformer"):
             lm.model.layers
+
+
+def test_traces_and_generation_leave_no_reference_cycles(lm, arch):
+    """Traces, invokes and generation on a real HF model are freed by reference counting, so
+    activations go when the block ends (no garbage-collector pass needed)."""
+    block = layers(lm, arch)
+
+    def trace():
+        with lm.trace() as tracer:
+            with tracer.invoke(PROMPTS[0]):
+                h = block[0].output[0]
+            with tracer.invoke(PROMPTS[1]):
+                block[0].output[0][:, -1] = h[:, -1]
+                out = lm.output.logits.save()
+        assert out.shape[0] == 1
+
+    def generate():
+        with lm.generate(PROMPTS[1], max_new_tokens=3) as tracer:
+            hs = nnsight_lite.save([])
+            for _ in tracer.iter[:]:
+                hs.append(block[1].output[0])
+            tokens = lm.generator.output.save()
+        assert len(hs) == 3 and tokens.shape[-1] > 3
+
+    for fn in (trace, generate):
+        fn()
+        assert cycles_left_by(fn) == [], fn.__name__

@@ -10,6 +10,7 @@ import torch
 
 from nnsight_lite import NNsight
 from nnsight_lite.errors import OutOfOrderError
+from tests.helpers import cycles_left_by
 
 
 def test_unsaved_activations_are_freed(seq):
@@ -51,22 +52,6 @@ def test_error_path_frees_activations(seq):
         pass
     gc.collect()
     assert refs and refs[0]() is None
-
-
-def _cycles_left_by(fn) -> list:
-    """Run ``fn`` with the garbage collector off; return the objects it left in reference
-    cycles (what only the collector would free), by type name."""
-    gc.collect()
-    gc.disable()
-    try:
-        fn()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        gc.collect()
-        return sorted({type(o).__name__ for o in gc.garbage})
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
 
 
 def test_traces_free_everything_without_the_garbage_collector(seq):
@@ -133,4 +118,4 @@ def test_traces_free_everything_without_the_garbage_collector(seq):
 
     for fn in (one_invoke, invokes, backward, session, stopped, failed):
         fn()  # warm the caches first (compiled bodies are kept)
-        assert _cycles_left_by(fn) == [], fn.__name__
+        assert cycles_left_by(fn) == [], fn.__name__
