@@ -41,6 +41,9 @@ from .workers import (
 )
 
 _original_backward = torch.Tensor.backward
+# what torch.autograd.set_multithreading_enabled does, without building a context manager
+_is_multithreading = torch._C._is_multithreading_enabled
+_set_multithreading = torch._C._set_multithreading_enabled
 _CALLS = frozenset({"CALL", "CALL_KW", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW",
                     "CALL_FUNCTION_EX", "PRECALL"})
 _WITH = frozenset({"BEFORE_WITH", "SETUP_WITH"})
@@ -181,8 +184,12 @@ class Backward(BodyContext):
         saved_state = tls_state()
         try:
             self._register(self._resume(lambda: exec(code, scope)))
-            with torch.autograd.set_multithreading_enabled(False):
+            multithreading = _is_multithreading()
+            _set_multithreading(False)
+            try:
                 _original_backward(loss, *self._args)
+            finally:
+                _set_multithreading(multithreading)
             self._finished = True
             while not self._done and self._pending is not None:
                 self._register(self._resume(None, self._missed_error()))

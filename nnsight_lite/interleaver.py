@@ -200,6 +200,8 @@ class Interleaver:
         waiting = table.get(call)
         if waiting is None:
             table[call] = [med]
+        elif waiting[-1].index < med.index:  # the usual case: invokes ask in their order
+            waiting.append(med)
         else:
             insort(waiting, med, key=_med_index)
 
