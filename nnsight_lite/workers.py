@@ -155,6 +155,17 @@ def user_location(frame=None) -> str:
 
 
 def _note(exc: BaseException, text: str) -> None:
-    """Add ``text`` to ``exc``'s notes once (Python 3.11+; a no-op on 3.10)."""
-    if hasattr(exc, "add_note") and text not in getattr(exc, "__notes__", ()):
+    """Add ``text`` to ``exc``'s notes once. On 3.10, which has no ``add_note``, the list is
+    set by hand: tracebacks there do not print it, but tools that read ``__notes__`` do."""
+    notes = getattr(exc, "__notes__", None)
+    if notes is not None and text in notes:
+        return
+    if hasattr(exc, "add_note"):
         exc.add_note(text)
+        return
+    try:  # pragma: no cover - Python 3.10
+        if notes is None:
+            exc.__notes__ = notes = []
+        notes.append(text)
+    except (AttributeError, TypeError):  # pragma: no cover - an exception type without a dict
+        pass

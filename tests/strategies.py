@@ -24,12 +24,12 @@ literally and loop over the generated ops inside them, calling :func:`run_op` fo
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections import defaultdict
 
-import greenlet
 import torch
 from hypothesis import strategies as st
+
+from nnsight_lite.workers import _workers
 
 # --------------------------------------------------------------------------- models
 
@@ -561,11 +561,9 @@ def leftovers(module: torch.nn.Module) -> list[str]:
                 bad.append(f"{attr} left on {name or 'root'}")
     # No gc.collect(): a suspended greenlet waiting for the collector counts as left behind.
     # Body greenlets are pooled workers: an idle one (no body attached) is not a leftover.
-    base = greenlet.greenlet
-    for obj in gc.get_objects():
-        t = type(obj)
-        if t is not base and issubclass(t, base) and str(t.__module__).startswith("nnsight_lite"):
-            busy = getattr(obj, "mediator", None) is not None or getattr(obj, "grads", None) is not None
-            if not obj.dead and busy:
-                bad.append(f"suspended {t.__name__} holding a body")
+    # _workers holds every worker still alive (weakly), so no scan of gc.get_objects().
+    for w in list(_workers):
+        busy = w.mediator is not None or w.grads is not None
+        if not w.dead and busy:
+            bad.append(f"suspended {type(w).__name__} holding a body")
     return bad
