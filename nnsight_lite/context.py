@@ -9,19 +9,24 @@ from __future__ import annotations
 import sys
 
 from .capture import (
+    INLINE_NAME,
     SAVE_NAME,
     Scope,
     SkipBody,
+    body_runs_inline,
+    cancel_inline_skip,
     caller_scope,
     find_body,
     restore_tracing,
     skip_body,
+    skip_inline,
     write_back,
 )
 from .envoy import _saved_stack, save_in_body
 from .mediator import wait_for_name
 
-RUNTIME = {SAVE_NAME: save_in_body}
+RUNTIME = {SAVE_NAME: save_in_body, INLINE_NAME: body_runs_inline}
+_INLINE = object()  # the token of a context entered from a compiled body (no line tracer)
 
 
 class BodyContext:
@@ -38,14 +43,26 @@ class BodyContext:
         self._body = find_body(frame, self._what)
         self._frame = frame
         body = self._body
-        self._token = None if body.trivial else skip_body(frame, body.skipper)
+        if body.trivial:
+            self._token = None
+        elif INLINE_NAME in frame.f_code.co_names:  # a with-block inside a compiled body
+            self._token = _INLINE
+            skip_inline(self)
+        else:
+            self._token = skip_body(frame, body.skipper)
 
     def __exit__(self, exc_type, exc, tb):
         token, self._token = self._token, None  # it holds the frame: no cycle through it
-        if token is not None:
+        if token is _INLINE:
+            cancel_inline_skip(self)  # normally consumed already
+            expected = None
+        elif token is not None:
             restore_tracing(token)
+            expected = SkipBody
+        else:
+            expected = None
         frame, self._frame = self._frame, None
-        if exc_type is not (None if token is None else SkipBody):
+        if exc_type is not expected:
             return False
         self._on_exit(frame)
         return True
@@ -68,7 +85,8 @@ class BodyContext:
             values = dict(scope.own_items())
         else:
             values = {k: v for k, v in scope.own_items() if saved.get(id(v)) is v}
-        scope.clear()
+        scope.clear()  # drop the body's references (tensors) ...
+        dict.update(scope, scope._base)  # ... but functions defined in it still find builtins
         if stack:  # a trace nested in another body: its saves are saved there too
             stack[-1].update(saved)
         write_back(frame, values)

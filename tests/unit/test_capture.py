@@ -189,3 +189,92 @@ def test_with_header_spanning_lines(seq):
         h = model[0].output.save()
     assert same == [True]
     torch.testing.assert_close(h, seq[0](x))
+
+
+class _Recorder:
+    """A plain context manager: its block must run as written inside a body."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __enter__(self):
+        self.log.append("enter")
+        return self
+
+    def __exit__(self, *exc):
+        self.log.append("exit")
+        return False
+
+
+class TestWithBlocksInsideBodies:
+    """A with-block inside a body: nnsight_lite contexts (invoke, backward, a nested trace)
+    run their blocks later themselves; any other context manager's block runs in place."""
+
+    def test_other_context_managers_run_their_blocks(self, model, seq):
+        x = torch.randn(2, 6)
+        log = nnsight_lite.save([])
+        with model.trace(x):
+            with _Recorder(log):
+                log.append("block")
+                with torch.no_grad():
+                    h = model[1].output.save()
+            with _Recorder(log) as r1, _Recorder(log):
+                log.append(r1 is not None)
+        assert log == ["enter", "block", "exit", "enter", "enter", True, "exit", "exit"]
+        torch.testing.assert_close(h, expected(seq, x, 1))
+
+    def test_nested_contexts_run_their_blocks_once(self, model, seq):
+        x = torch.randn(2, 6)
+        other = NNsight(torch.nn.Linear(6, 6))
+        log = nnsight_lite.save([])
+        with model.trace() as tracer:
+            with tracer.invoke(x):
+                log.append("invoke")
+                h = model[1].output.save()
+                with other.trace(h):
+                    log.append("nested")
+                    o = other.output.save()
+        assert log == ["invoke", "nested"]
+        torch.testing.assert_close(o, other._module(expected(seq, x, 1)))
+
+    def test_with_in_a_function_defined_in_a_body_works_after_it(self, model, seq):
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            h = model[0].output.save()
+
+            def double(t, log):
+                with _Recorder(log):
+                    return t * 2
+
+            nnsight_lite.save(double)
+        log = []
+        torch.testing.assert_close(double(h, log), expected(seq, x, 0) * 2)
+        assert log == ["enter", "exit"]
+        # and a trace opened in it later, from plain code, still skips and runs its block
+        def traced(t):
+            with model.trace(t):
+                out = model[0].output.save()
+            return out
+
+        torch.testing.assert_close(traced(x), expected(seq, x, 0))
+
+    def test_failing_enter_of_an_inner_context_leaves_nothing(self, model):
+        x = torch.randn(2, 6)
+
+        class Broken:
+            def __enter__(self):
+                raise RuntimeError("enter failed")
+
+            def __exit__(self, *exc):
+                return False
+
+        with pytest.raises(RuntimeError, match="enter failed"):
+            with model.trace() as tracer:
+                with tracer.invoke(x), Broken():
+                    model[0].output.save()
+        # the skip flag of that invoke must not leak into the next with-block in a body
+        log = nnsight_lite.save([])
+        with model.trace(x):
+            with _Recorder(log):
+                log.append("block")
+        assert log == ["enter", "block", "exit"]
