@@ -392,10 +392,6 @@ class Scope(dict):
         dict.update(c, names)
         return c
 
-    def own_dict(self) -> dict:
-        """The names the body itself bound, as a dict."""
-        return {k: v for k, v in dict.items(self) if k not in _INTERNAL}
-
     def knows(self, name: str) -> bool:
         """Whether ``name`` is bound here or in an enclosing Scope (another body's names)."""
         scope = self

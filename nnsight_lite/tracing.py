@@ -190,7 +190,7 @@ class Invoker(BodyContext):
     def _on_exit(self, frame):
         # The trace body's names as they are now (a loop variable's current value, say): this
         # invoke's body will see these, not what the names hold when the collecting ends.
-        self._snapshot = frame.f_locals.own_dict()
+        self._snapshot = dict(frame.f_locals)
         self._tracer._invokes.append(self)
 
 

@@ -38,6 +38,24 @@ class TestBatching:
         torch.testing.assert_close(a, seq[1](seq[0](x1)))
         torch.testing.assert_close(b, seq[1](seq[0](x2)))
 
+    def test_invokes_opened_by_a_helper_function_in_the_body(self, seq):
+        """A function defined in the trace body may open the invokes (one per call)."""
+        model = NNsight(seq)
+        xs = [torch.randn(1, 6), torch.randn(2, 6), torch.randn(1, 6)]
+        with model.trace() as tracer:
+            outs = nnsight_lite.save([])
+
+            def add(x, scale):
+                with tracer.invoke(x):
+                    model[1].output[:] *= scale
+                    outs.append(model.output)
+
+            for i, x in enumerate(xs):
+                add(x, i + 1)
+        for i, x in enumerate(xs):
+            h = seq[1](seq[0](x)) * (i + 1)
+            torch.testing.assert_close(outs[i], seq[3](seq[2](h)))
+
     def test_edits_touch_only_own_rows(self, seq):
         model = NNsight(seq)
         x1, x2 = torch.randn(2, 6), torch.randn(2, 6)
