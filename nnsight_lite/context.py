@@ -32,6 +32,8 @@ _INLINE = object()  # the token of a context entered from a compiled body (no li
 class BodyContext:
     """Base of the contexts whose body runs later, in a greenlet, instead of inline."""
 
+    __slots__ = ("_body", "_frame", "_token", "__dict__")
+
     _what = "trace"
 
     def __enter__(self):

@@ -152,7 +152,10 @@ class Envoy:
         """Address this module's next call (reused modules, generation steps). Returns self."""
         med = current_mediator(self, "next()")
         slot = med.interleaver.slot_of(self)
-        med.offsets[slot] = med.offsets.get(slot, 0) + step
+        offsets = med.offsets
+        if not offsets:
+            offsets = med.offsets = {}
+        offsets[slot] = offsets.get(slot, 0) + step
         return self
 
     def skip(self, value) -> None:

@@ -25,6 +25,7 @@ from .errors import (
 )
 from .workers import (
     _FINISHED,
+    INFERENCE_BIT,
     _getcurrent,
     _note,
     _take_worker,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 OUTPUT = "output"
 INPUT = "input"
 _DONE = object()
+_NO_OFFSETS: dict = {}  # shared and never written: Envoy.next() gives a mediator its own
 _MISSING = object()
 #: ``depth`` > 0 while a trace without inputs runs its body to collect invokes (this thread)
 _collecting = threading.local()
@@ -119,7 +121,7 @@ class Mediator:
         self.tls = None
         self.iteration = 0
         self.iter_depth = 0
-        self.offsets = {}
+        self.offsets = _NO_OFFSETS  # {slot: calls skipped by .next()}, made on first use
         self.shared = None  # the trace's scope, where this invoke publishes what it binds
         self.snapshot = None  # the trace body's names as of this invoke
         self.assigned = ()  # the names this invoke's body may bind (what publish copies)
@@ -165,7 +167,7 @@ class Mediator:
         self.tls = now
         if now != parent_state:
             set_tls_state(parent_state, now)
-            if now[1] != parent_state[1]:
+            if (now ^ parent_state) & INFERENCE_BIT:
                 return self.resume(None, InferenceModeSwitchError(
                     f"invoke {self.index} waited for a module value inside its own "
                     "torch.inference_mode() block; the model's forward cannot switch inference "

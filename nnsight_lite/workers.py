@@ -124,20 +124,27 @@ def unwind(w: BodyGreenlet) -> bool:
 # --------------------------------------------------------------------------- thread-local state
 
 
-def tls_state():
+def tls_state() -> int:
+    """Grad mode (bit 1), inference mode (2), CPU autocast (4), CUDA autocast (8), as a small
+    int: compared at every switch, and an int costs no allocation."""
+    s = _is_grad_enabled() | (_is_inference() << 1)
     if _any_autocast():
-        return (_is_grad_enabled(), _is_inference(), _is_autocast("cpu"), _is_autocast("cuda"))
-    return (_is_grad_enabled(), _is_inference(), False, False)
+        s |= (_is_autocast("cpu") << 2) | (_is_autocast("cuda") << 3)
+    return s
 
 
-def set_tls_state(state, now) -> None:
+INFERENCE_BIT = 2
+
+
+def set_tls_state(state: int, now: int) -> None:
     """Switch grad mode and autocast from ``now`` to ``state`` (inference mode cannot be set)."""
-    if state[0] != now[0]:
-        _set_grad_enabled(state[0])
-    if state[2] != now[2]:
-        _set_autocast("cpu", state[2])
-    if state[3] != now[3]:
-        _set_autocast("cuda", state[3])
+    diff = state ^ now
+    if diff & 1:
+        _set_grad_enabled(bool(state & 1))
+    if diff & 4:
+        _set_autocast("cpu", bool(state & 4))
+    if diff & 8:
+        _set_autocast("cuda", bool(state & 8))
 
 
 # --------------------------------------------------------------------------- locating user code
