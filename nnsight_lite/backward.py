@@ -183,7 +183,7 @@ class Backward(BodyContext):
         self._handles = []
         saved_state = tls_state()
         try:
-            self._register(self._resume(lambda: exec(code, scope)))
+            self._register(self._resume(functools.partial(exec, code, scope)))
             multithreading = _is_multithreading()
             _set_multithreading(False)
             try:

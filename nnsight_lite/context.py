@@ -86,7 +86,7 @@ class BodyContext:
         if isinstance(target, Scope) and target.keep_all:  # inside a session: keep everything
             values = dict(scope.own_items())
         else:
-            values = {k: v for k, v in scope.own_items() if saved.get(id(v)) is v}
+            values = {k: v for k, v in dict.items(scope) if saved.get(id(v)) is v}
         scope.clear()  # drop the body's references (tensors) ...
         dict.update(scope, scope._base)  # ... but functions defined in it still find builtins
         if stack:  # a trace nested in another body: its saves are saved there too
