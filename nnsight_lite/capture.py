@@ -324,8 +324,13 @@ def cancel_inline_skip(ctx) -> None:
 
 def body_runs_inline() -> bool:
     """``INLINE_NAME()``: whether the ``with`` block about to start runs now (False: the
-    context just entered runs it later, itself)."""
-    if _inline_skip.ctx is None:
+    context just entered runs it later, itself).
+
+    Only the block of the frame that entered the context is skipped: in ``with trace, cm:``
+    the ``__enter__`` of ``cm`` may run with-blocks of its own (in code compiled from a body)
+    before this frame's check, and those must run."""
+    ctx = _inline_skip.ctx
+    if ctx is None or ctx._frame is not sys._getframe(1):
         return True
     _inline_skip.ctx = None
     return False

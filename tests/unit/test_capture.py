@@ -237,6 +237,28 @@ class TestWithBlocksInsideBodies:
         assert log == ["invoke", "nested"]
         torch.testing.assert_close(o, other._module(expected(seq, x, 1)))
 
+    def test_a_second_item_whose_enter_has_a_with_block(self, model, seq):
+        """``with model.trace(x), cm:`` in a body, where ``cm.__enter__`` (also defined in a
+        body) runs a with-block of its own: that block runs, and the trace's block is the one
+        skipped and run by the trace."""
+        x = torch.randn(2, 6)
+        with model.session():
+            class Starter:
+                def __enter__(self):
+                    with torch.no_grad():
+                        self.started = True
+                    return self
+
+                def __exit__(self, *exc):
+                    return False
+
+            starter = Starter()
+            with model.trace(x), starter:
+                out = model.output.save()
+            started = nnsight_lite.save([getattr(starter, "started", False)])
+        assert started == [True]
+        torch.testing.assert_close(out, expected(seq, x, 3))
+
     def test_with_in_a_function_defined_in_a_body_works_after_it(self, model, seq):
         x = torch.randn(2, 6)
         with model.trace(x):
