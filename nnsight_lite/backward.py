@@ -208,6 +208,7 @@ class Backward(BodyContext):
         try:
             req = switch_job(self._greenlet, value, throw)
         except BaseException:  # the body ended with an exception, which is the user's
+            throw = None  # in the exception's traceback through this frame: no cycle
             self._done = True
             raise
         if req is _FINISHED:

@@ -154,7 +154,10 @@ class Interleaver:
                     exc = IterationEnd()
                 else:
                     exc = med.missed_error()
-                self.register(med, med.resume(None, exc))
+                try:
+                    self.register(med, med.resume(None, exc))
+                finally:
+                    exc = None
 
     def end_iterations(self) -> None:
         """End the open ``tracer.iter``/``tracer.all()`` loops of waiting bodies now.
@@ -225,7 +228,10 @@ class Interleaver:
             else:
                 return
             self.name_waiters.remove(med)
-            self.register(med, med.resume(None, exc))
+            try:
+                self.register(med, med.resume(None, exc))
+            finally:
+                exc = None
 
     # ---- wrappers
 

@@ -153,6 +153,7 @@ class Mediator:
                 self.pending = None
                 req = _DONE
         except BaseException as exc:
+            throw = None  # it is in exc's traceback through this frame: no cycle
             self.done = True
             self.pending = None
             now = tls_state()

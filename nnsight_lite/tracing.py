@@ -110,8 +110,10 @@ class Tracer(BodyContext):
         args, kwargs, sizes = model._batch_inputs(prepared)
         total = sum(sizes)
         inter = Interleaver(model._module, total)
+        made = []  # the scopes made here, cleared after the run (functions bound in them)
         for body, snapshot, f_globals in model._edits:  # persistent edits run first
             edit_scope = Scope(snapshot, f_globals, RUNTIME, wait_for_name)
+            made.append(edit_scope)
             inter.add(_body_runner(body.code, edit_scope), None, edit_scope)
         start = 0
         sized = iter(sizes)
@@ -129,12 +131,18 @@ class Tracer(BodyContext):
             # Each invoke has its own scope: the trace body's names as of the invoke, then what
             # it binds itself; what other invokes bind reaches it through the shared `scope`.
             own = scope.child(snapshot)
+            made.append(own)
             med = inter.add(_body_runner(body.code, own), batch, own)
             med.shared, med.snapshot, med.assigned = scope, snapshot, body.assigned
-        if self._scan:
-            _run_fake(inter, model, args, kwargs)
-        else:
-            inter.run(lambda: self._forward(inter, args, kwargs))
+        try:
+            if self._scan:
+                _run_fake(inter, model, args, kwargs)
+            else:
+                inter.run(lambda: self._forward(inter, args, kwargs))
+        finally:
+            for s in made:
+                s.clear()
+                dict.update(s, s._base)
 
     def _forward(self, inter: Interleaver, args: tuple, kwargs: dict):
         """What runs under the interleaver: the model's forward (``model.generate`` runs HF

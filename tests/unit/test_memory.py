@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nnsight_lite import NNsight
-from nnsight_lite.errors import OutOfOrderError
+from nnsight_lite.errors import GradientError, MissedModuleError, OutOfOrderError
 from tests.helpers import cycles_left_by
 
 
@@ -116,6 +116,41 @@ def test_traces_free_everything_without_the_garbage_collector(seq):
                 out = model[2].output
                 h = model[0].output
 
-    for fn in (one_invoke, invokes, backward, session, stopped, failed):
+    def errors_thrown_into_bodies():
+        with pytest.raises(MissedModuleError):  # from the end of the forward
+            with model.trace(x):
+                a = model[2].output
+                b = model[2].next().output
+        with pytest.raises(NameError):  # a name an earlier invoke never binds
+            with model.trace() as tracer:
+                with tracer.invoke(x):
+                    q = model[2].output
+                with tracer.invoke(x):
+                    model[1].output[:] = never_bound  # noqa: F821
+        with pytest.raises(GradientError):  # a tensor backprop never reaches
+            other = torch.randn(2, 6, requires_grad=True) * 1
+            with model.trace(x):
+                loss = model.output.sum()
+                with loss.backward():
+                    g = other.grad.save()
+
+    def functions_bound_in_invoke_and_edit_bodies():
+        with model.trace() as tracer:
+            with tracer.invoke(x):
+                h = model[0].output
+                double = lambda t: t * 2  # noqa: E731  (its globals are this invoke's scope)
+                out = double(model.output).save()
+        with with_helper.trace(x):
+            out2 = with_helper.output.save()
+        assert out.shape == out2.shape
+
+    with model.edit() as with_helper:
+        def helper(t):
+            return t
+
+        with_helper[0].output = helper(with_helper[0].output)
+
+    for fn in (one_invoke, invokes, backward, session, stopped, failed, errors_thrown_into_bodies,
+               functions_bound_in_invoke_and_edit_bodies):
         fn()  # warm the caches first (compiled bodies are kept)
         assert cycles_left_by(fn) == [], fn.__name__
