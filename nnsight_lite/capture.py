@@ -45,8 +45,11 @@ SET_GRAD_NAME = "__nnsight_lite_set_grad__"
 INLINE_NAME = "__nnsight_lite_inline__"
 
 
-class SkipBody(Exception):
-    """Raised by the line tracer on the first line of a captured body; never reaches users."""
+class SkipBody(BaseException):
+    """Raised by the line tracer on the first line of a captured body; never reaches users.
+
+    A BaseException, so that ``except Exception`` in the body or ``contextlib.suppress(Exception)``
+    beside the context cannot swallow it."""
 
 
 class IterationEnd(Exception):
@@ -57,7 +60,7 @@ class Body:
     """A compiled with-block body and where it came from."""
 
     __slots__ = ("code", "filename", "lineno", "end_lineno", "trivial", "body_line", "assigned",
-                 "skipper")
+                 "skipper", "skip_error")
 
     def __init__(self, code: CodeType, filename: str, lineno: int, end_lineno: int, trivial: bool,
                  body_line: int):
@@ -71,6 +74,7 @@ class Body:
         self.lineno = lineno
         self.end_lineno = end_lineno
         self.skipper = _Skipper(body_line)  # the line tracer that skips this body
+        self.skip_error: "str | None" = None  # why the line tracer cannot skip it (see _skip_line)
 
 
 _bodies: OrderedDict = OrderedDict()
@@ -134,10 +138,44 @@ def _compile_body(frame: FrameType, what: str) -> Body:
         isinstance(st, ast.Pass) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))
         for st in node.body
     )
-    body = Body(code, filename, node.lineno, node.end_lineno or node.lineno, trivial,
-                node.body[0].lineno)
+    skip_line, skip_error = _skip_line(node, what, filename)
+    body = Body(code, filename, node.lineno, node.end_lineno or node.lineno, trivial, skip_line)
+    body.skip_error = skip_error
     body.assigned = _assigned_names(node.body)
     return body
+
+
+_TRY_NODES = tuple(t for t in (ast.Try, getattr(ast, "TryStar", None)) if t is not None)
+
+
+def _skip_line(node: ast.With, what: str, filename: str):
+    """The line on which the line tracer raises ``SkipBody``, and an error message when it
+    cannot skip this body.
+
+    Python 3.11+ compiles the ``try:`` line of a with-body's first statement to an instruction
+    no exception handler covers, so ``SkipBody`` raised there would escape the with-statement.
+    It is raised on the first line inside the ``try`` instead, where it passes through the try's
+    handlers (``SkipBody`` is a BaseException) to the with-statement. A ``finally:`` or a bare
+    ``except:`` / ``except BaseException:`` would run (or stop) there, so such a body is refused
+    with a clear error. Only bodies skipped by the line tracer (in user code) are affected.
+    """
+    first = node.body[0]
+    if sys.version_info < (3, 11):
+        return first.lineno, None
+    while isinstance(first, _TRY_NODES):
+        catches_all = any(
+            h.type is None or (isinstance(h.type, ast.Name) and h.type.id == "BaseException")
+            for h in first.handlers
+        )
+        if first.finalbody or catches_all:
+            return first.lineno, (
+                f"the body of the `with ...{what}(...)` block at {filename}:{node.lineno} starts "
+                "with a `try:` that has a `finally:` or catches BaseException, which nnsight_lite "
+                "cannot skip cleanly on Python 3.11+; put any statement (`pass` will do) before "
+                "the `try:`"
+            )
+        first = first.body[0]
+    return first.lineno, None
 
 
 def _assigned_names(stmts) -> tuple:

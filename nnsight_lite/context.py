@@ -23,6 +23,7 @@ from .capture import (
     write_back,
 )
 from .envoy import _saved_stack, save_in_body
+from .errors import BodySyntaxError
 from .mediator import wait_for_name
 
 RUNTIME = {SAVE_NAME: save_in_body, INLINE_NAME: body_runs_inline}
@@ -51,6 +52,8 @@ class BodyContext:
             self._token = _INLINE
             skip_inline(self)
         else:
+            if body.skip_error is not None:
+                raise BodySyntaxError(body.skip_error)
             self._token = skip_body(frame, body.skipper)
 
     def __exit__(self, exc_type, exc, tb):

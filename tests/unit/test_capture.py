@@ -300,3 +300,50 @@ class TestWithBlocksInsideBodies:
             with _Recorder(log):
                 log.append("block")
         assert log == ["enter", "block", "exit"]
+
+
+class TestBodiesStartingWithTry:
+    """Python 3.11+ compiles a with-body's leading ``try:`` line outside every exception handler;
+    bodies in user code that start with one must still run (once), or be refused clearly."""
+
+    def test_try_except_first(self, model, seq):
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            try:
+                try:
+                    out = model[3].output.save()
+                except Exception:  # must not catch the skip
+                    raise
+            except ZeroDivisionError:
+                pass
+        torch.testing.assert_close(out, expected(seq, x, 3))
+
+    def test_context_suppressing_exceptions_beside_the_trace(self, model, seq):
+        import contextlib
+
+        x = torch.randn(2, 6)
+        with model.trace(x), contextlib.suppress(Exception):
+            out = model[3].output.save()
+        torch.testing.assert_close(out, expected(seq, x, 3))
+
+    def test_try_finally_first(self, model, seq):
+        import sys
+
+        x = torch.randn(2, 6)
+        log = []
+        if sys.version_info >= (3, 11):
+            with pytest.raises(BodySyntaxError, match="`pass` will do"):
+                with model.trace(x):
+                    try:
+                        out = model[3].output.save()
+                    finally:
+                        log.append("finally")
+            assert log == []
+        with model.trace(x):
+            pass
+            try:
+                out = model[3].output.save()
+            finally:
+                log.append("finally")
+        assert log == ["finally"]
+        torch.testing.assert_close(out, expected(seq, x, 3))
