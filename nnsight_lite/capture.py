@@ -43,6 +43,9 @@ SET_GRAD_NAME = "__nnsight_lite_set_grad__"
 #: (see ``skip_inline``) instead of a line tracer and an exception: cheaper by about a
 #: microsecond per block. Any other context manager's block runs as written.
 INLINE_NAME = "__nnsight_lite_inline__"
+#: A name read in a class body inside a body becomes ``NAME_NAME("name")``: class bodies look up
+#: globals in a plain dict, which would never reach the caller's names (see _ClassNames).
+NAME_NAME = "__nnsight_lite_name__"
 
 
 class SkipBody(BaseException):
@@ -127,7 +130,8 @@ def _compile_body(frame: FrameType, what: str) -> Body:
             "`with` line itself; put it on its own indented lines",
             (filename, lineno, 1, lines[lineno - 1] if lineno <= len(lines) else ""),
         )
-    stmts = [_Rewrite().visit(_IterLoopGuard().visit(stmt)) for stmt in node.body]
+    stmts = [_ClassNames().visit(_Rewrite().visit(_IterLoopGuard().visit(stmt)))
+             for stmt in node.body]
     module = ast.Module(body=stmts, type_ignores=[])
     ast.fix_missing_locations(module)
     try:
@@ -306,6 +310,75 @@ class _Rewrite(ast.NodeTransformer):
         return node
 
 
+class _ClassNames(ast.NodeTransformer):
+    """In a class statement of a body (not one inside a function), a name the class body reads
+    but never binds becomes ``NAME_NAME("name")``.
+
+    A class body finds its globals with a plain dict lookup, which does not fall back to the
+    caller's names the way a body's Scope does; ``NAME_NAME`` looks the name up in the Scope.
+    Method bodies, lambdas and comprehensions (past their first iterable) look names up the
+    ordinary way and are left alone; decorators, defaults and annotations run in the class body
+    and are rewritten.
+    """
+
+    def __init__(self):
+        self.bound: "tuple[frozenset, ...]" = ()  # names bound by each enclosing class body
+
+    def visit_FunctionDef(self, node):
+        if not self.bound:  # a function of the body: classes in it see its scope normally
+            return node
+        node.decorator_list = [self.visit(d) for d in node.decorator_list]
+        self._visit_args(node.args)
+        if node.returns is not None:
+            node.returns = self.visit(node.returns)
+        return node
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Lambda(self, node):
+        if self.bound:
+            self._visit_args(node.args)
+        return node
+
+    def _visit_args(self, args: ast.arguments) -> None:
+        args.defaults = [self.visit(d) for d in args.defaults]
+        args.kw_defaults = [d if d is None else self.visit(d) for d in args.kw_defaults]
+
+    def _visit_comprehension(self, node):
+        if self.bound:
+            node.generators[0].iter = self.visit(node.generators[0].iter)
+        return node
+
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _visit_comprehension
+
+    def visit_ClassDef(self, node):
+        # bases, keywords and decorators run in the enclosing scope
+        node.bases = [self.visit(b) for b in node.bases]
+        node.keywords = [self.visit(k) for k in node.keywords]
+        node.decorator_list = [self.visit(d) for d in node.decorator_list]
+        self.bound = self.bound + (frozenset(_assigned_names(node.body)),)
+        try:
+            node.body = [self.visit(st) for st in node.body]
+        finally:
+            self.bound = self.bound[:-1]
+        return node
+
+    def visit_Name(self, node):
+        if (self.bound and isinstance(node.ctx, ast.Load) and node.id not in self.bound[-1]
+                and not node.id.startswith("__nnsight_lite")):
+            return ast.copy_location(_call(NAME_NAME, ast.Constant(node.id)), node)
+        return node
+
+
+def class_body_name(name: str):
+    """``NAME_NAME(name)``: a name read in a class body, looked up in the body's Scope."""
+    scope = sys._getframe(1).f_globals
+    try:
+        return scope[name]
+    except KeyError:
+        raise NameError(f"name {name!r} is not defined") from None
+
+
 # --------------------------------------------------------------------------- skipping the body
 
 
@@ -452,7 +525,7 @@ class Scope(dict):
 
 
 _INTERNAL = frozenset({"__builtins__", ITER_END_NAME, SAVE_NAME, GRAD_NAME, SET_GRAD_NAME,
-                       INLINE_NAME})
+                       INLINE_NAME, NAME_NAME})
 
 
 def caller_scope(frame: FrameType, runtime: dict, on_missing) -> Scope:

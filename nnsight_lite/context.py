@@ -10,12 +10,14 @@ import sys
 
 from .capture import (
     INLINE_NAME,
+    NAME_NAME,
     SAVE_NAME,
     Scope,
     SkipBody,
     body_runs_inline,
     cancel_inline_skip,
     caller_scope,
+    class_body_name,
     find_body,
     restore_tracing,
     skip_body,
@@ -26,7 +28,7 @@ from .envoy import _saved_stack, save_in_body
 from .errors import BodySyntaxError
 from .mediator import wait_for_name
 
-RUNTIME = {SAVE_NAME: save_in_body, INLINE_NAME: body_runs_inline}
+RUNTIME = {SAVE_NAME: save_in_body, INLINE_NAME: body_runs_inline, NAME_NAME: class_body_name}
 _INLINE = object()  # the token of a context entered from a compiled body (no line tracer)
 
 

@@ -80,6 +80,32 @@ class TestPlacesABodyCanSit:
         for x, h in zip(xs, got):
             torch.testing.assert_close(h, seq(x))
 
+    def test_class_statement_inside_a_body(self, model, seq):
+        """A class defined in a body sees the caller's names and module globals (torch) in its
+        own body, decorators, defaults, comprehensions and nested classes."""
+        x = torch.randn(2, 6)
+        k = 3
+        with model.trace(x):
+            h = model[0].output
+
+            class Probe:
+                zeros = torch.zeros(k)
+                doubled = h * 2
+                count = len([k for _ in range(2)])
+
+                @torch.no_grad()
+                def ones(self, n=k):
+                    return torch.ones(n)
+
+                class Inner:
+                    kk = k + 1
+
+            nnsight_lite.save(Probe)
+        torch.testing.assert_close(Probe.zeros, torch.zeros(3))
+        torch.testing.assert_close(Probe.doubled, expected(seq, x, 0) * 2)
+        assert Probe.count == 2 and Probe.Inner.kk == 4
+        torch.testing.assert_close(Probe().ones(), torch.ones(3))
+
     def test_class_body(self, model, seq):
         x = torch.randn(2, 6)
 
