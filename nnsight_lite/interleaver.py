@@ -240,8 +240,9 @@ class Interleaver:
 
         Slots and their wrappers are kept per model between traces (``_Plan``) and reused
         when the same module sits at the same place: a trace then only resets counters and
-        swaps ``forward`` entries. The walk itself runs every time, so a changed module tree
-        is always seen.
+        swaps ``forward`` entries. When every module still has exactly the children (names and
+        objects) it had, the last walk is reused; any change to the tree (a child replaced,
+        added, removed or renamed) makes a new walk, so it is always seen.
         """
         plan = _plans.get(self.root)
         if plan is not None and plan.inter is not None and plan.inter.thread != self.thread:
@@ -257,8 +258,20 @@ class Interleaver:
                 _plans[self.root] = plan
         plan.inter = self
         self._plan = plan
+        flat = plan.flat
+        if flat is not None and _same_tree(flat):
+            # The tree is as it was in this model's last trace: reuse its walk as well.
+            self.slots = plan.slots
+            for module, slot, _ in flat:
+                slot.calls = slot.outs = 0
+                d = module.__dict__
+                slot.prev_forward = d.get("forward", _MISSING)
+                slot.orig = module.forward
+                d["forward"] = slot.wrapper
+            return
         old = plan.slots
         slots = self.slots
+        flat = []
         stack = [(self.root, None, "")]
         pop, push = stack.pop, stack.extend
         while stack:
@@ -281,9 +294,11 @@ class Interleaver:
             d["forward"] = slot.wrapper
             slots[key] = slot
             children = module._modules
+            flat.append((module, slot, tuple(children.items())))
             if children:
                 push([(c, slot, n) for n, c in reversed(children.items()) if c is not None])
         plan.slots = slots
+        plan.flat = flat
 
     def _uninstall(self) -> None:
         for slot in self.slots.values():
@@ -343,11 +358,21 @@ class Interleaver:
 class _Plan:
     """A model's slots and wrappers, reused by its next trace. ``inter`` is the running trace."""
 
-    __slots__ = ("slots", "inter", "__weakref__")
+    __slots__ = ("slots", "inter", "flat", "__weakref__")
 
     def __init__(self):
         self.slots = {}
         self.inter = None
+        # (module, slot, its children as (name, module) pairs) in walk order, from the last
+        # full walk: when every module still has exactly those children, the walk is the same
+        self.flat = None
+
+
+def _same_tree(flat) -> bool:
+    for module, _, children in flat:
+        if tuple(module._modules.items()) != children:
+            return False
+    return True
 
 
 _plans: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan]" = weakref.WeakKeyDictionary()

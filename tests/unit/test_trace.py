@@ -258,3 +258,39 @@ def test_trace_with_an_empty_body_runs_the_forward_once(seq):
     finally:
         h.remove()
     assert calls == [1]
+
+
+def test_changes_to_the_module_tree_between_traces_are_seen():
+    """A trace reuses the previous trace's walk of the module tree only while every module
+    keeps exactly its children: replacing, adding or removing one (at any depth) is seen."""
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU())
+    net = torch.nn.Sequential(torch.nn.Linear(6, 6), inner, torch.nn.Linear(6, 3))
+    model = NNsight(net)
+    x = torch.randn(2, 6)
+    with model.trace(x):
+        a = model[2].output.save()
+    torch.testing.assert_close(a, net(x))
+
+    net[2] = torch.nn.Linear(6, 3)  # replaced
+    with model.trace(x):
+        b = model[2].output.save()
+    torch.testing.assert_close(b, net(x))
+
+    inner[0] = torch.nn.Linear(6, 6)  # replaced one level down
+    with model.trace(x):
+        c = model[1][0].output.save()
+    torch.testing.assert_close(c, inner[0](net[0](x)))
+
+    net.append(torch.nn.Linear(3, 2))  # added
+    with model.trace(x):
+        d = model[3].output.save()
+    torch.testing.assert_close(d, net(x))
+
+    removed = net[3]
+    del net[3]  # removed: no longer wrapped, its output is not the model's
+    with model.trace(x):
+        e = model.output.save()
+    torch.testing.assert_close(e, net(x))
+    assert "forward" not in removed.__dict__
+    assert all("forward" not in m.__dict__ for m in net.modules())
