@@ -19,7 +19,6 @@ import builtins
 import ctypes
 import linecache
 import sys
-import threading
 from collections import ChainMap, OrderedDict
 from types import CodeType, FrameType
 
@@ -415,22 +414,20 @@ def skip_body(frame: FrameType, skipper: _Skipper):
     return token
 
 
-class _InlineSkip(threading.local):
-    ctx = None  # the context whose block the next INLINE_NAME() call must skip
-
-
-_inline_skip = _InlineSkip()
+#: frame -> the context entered in it whose with-block that frame's next ``INLINE_NAME()`` check
+#: skips. Keyed by frame, so greenlets and threads cannot take or overwrite each other's.
+_inline_pending: dict = {}
 
 
 def skip_inline(ctx) -> None:
-    """Make the next ``INLINE_NAME()`` check on this thread skip its block: for a context
+    """Make the next ``INLINE_NAME()`` check in ``ctx._frame`` skip its block: for a context
     entered from a compiled body, right before that check runs."""
-    _inline_skip.ctx = ctx
+    _inline_pending[ctx._frame] = ctx
 
 
 def cancel_inline_skip(ctx) -> None:
-    if _inline_skip.ctx is ctx:
-        _inline_skip.ctx = None
+    if _inline_pending.get(ctx._frame) is ctx:
+        del _inline_pending[ctx._frame]
 
 
 def body_runs_inline() -> bool:
@@ -440,11 +437,9 @@ def body_runs_inline() -> bool:
     Only the block of the frame that entered the context is skipped: in ``with trace, cm:``
     the ``__enter__`` of ``cm`` may run with-blocks of its own (in code compiled from a body)
     before this frame's check, and those must run."""
-    ctx = _inline_skip.ctx
-    if ctx is None or ctx._frame is not sys._getframe(1):
+    if not _inline_pending:
         return True
-    _inline_skip.ctx = None
-    return False
+    return _inline_pending.pop(sys._getframe(1), None) is None
 
 
 def restore_tracing(token) -> None:

@@ -285,6 +285,23 @@ class TestWithBlocksInsideBodies:
         assert started == [True]
         torch.testing.assert_close(out, expected(seq, x, 3))
 
+    def test_two_invokes_entering_contexts_at_interleaved_times(self, model, seq):
+        """Invoke 0 enters a nested trace, then waits for a module value while evaluating the
+        next item of the same with-statement; invoke 1 enters its own nested trace meanwhile.
+        Each block is skipped and run by its own trace."""
+        x = torch.randn(2, 6)
+        other = NNsight(torch.nn.Linear(6, 6))
+        with model.trace() as tracer:
+            with tracer.invoke(x):
+                with other.trace(x), _Recorder([]) if model[1].output is not None else None:
+                    o0 = other.output.save()
+            with tracer.invoke(x):
+                h = model[0].output
+                with other.trace(h):
+                    o1 = other.output.save()
+        torch.testing.assert_close(o0, other._module(x))
+        torch.testing.assert_close(o1, other._module(expected(seq, x, 0)))
+
     def test_with_in_a_function_defined_in_a_body_works_after_it(self, model, seq):
         x = torch.randn(2, 6)
         with model.trace(x):
