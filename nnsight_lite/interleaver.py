@@ -41,6 +41,7 @@ from .workers import (
 )
 
 _INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+_UNSWAPPED = object()  # Slot.prev_forward while the wrapper is not installed
 
 
 class Slot:
@@ -52,6 +53,7 @@ class Slot:
     def __init__(self, module, parent, attr):
         self.module = module
         self.orig = None  # the forward the wrapper calls (set at every install)
+        self.prev_forward = _UNSWAPPED  # the instance ``forward`` entry the wrapper replaced
         self.wrapper = None
         self.parent = parent  # the Slot of the module that holds this one (None at the root)
         self.attr = attr  # this module's name in its parent
@@ -259,18 +261,21 @@ class Interleaver:
         plan.inter = self
         self._plan = plan
         flat = plan.flat
-        if flat is not None and _same_tree(flat):
-            # The tree is as it was in this model's last trace: reuse its walk as well.
-            self.slots = plan.slots
-            for module, slot, _ in flat:
-                slot.calls = slot.outs = 0
-                d = module.__dict__
-                slot.prev_forward = d.get("forward", _MISSING)
-                slot.orig = module.forward
-                d["forward"] = slot.wrapper
-            return
+        if flat is None or not _same_tree(flat):
+            flat = self._walk(plan)
+        self.slots = plan.slots
+        for module, slot, _ in flat:
+            slot.calls = slot.outs = 0
+            d = module.__dict__
+            slot.prev_forward = d.get("forward", _MISSING)
+            slot.orig = module.forward
+            d["forward"] = slot.wrapper
+
+    def _walk(self, plan: "_Plan") -> list:
+        """Walk the module tree (pre-order, each module once): make or reuse each module's Slot
+        and record the walk in ``plan`` (``plan.slots``, ``plan.flat``)."""
         old = plan.slots
-        slots = self.slots
+        slots = {}
         flat = []
         stack = [(self.root, None, "")]
         pop, push = stack.pop, stack.extend
@@ -286,12 +291,6 @@ class Interleaver:
             else:
                 slot.parent = parent
                 slot.attr = attr
-                slot.calls = slot.outs = 0
-            d = module.__dict__
-            prev = d.get("forward", _MISSING)
-            slot.prev_forward = prev
-            slot.orig = module.forward
-            d["forward"] = slot.wrapper
             slots[key] = slot
             children = module._modules
             flat.append((module, slot, tuple(children.items())))
@@ -299,15 +298,18 @@ class Interleaver:
                 push([(c, slot, n) for n, c in reversed(children.items()) if c is not None])
         plan.slots = slots
         plan.flat = flat
+        return flat
 
     def _uninstall(self) -> None:
         for slot in self.slots.values():
-            d = slot.module.__dict__
-            if slot.prev_forward is _MISSING:
-                d.pop("forward", None)
-            else:
-                d["forward"] = slot.prev_forward
-            slot.prev_forward = None
+            prev = slot.prev_forward
+            if prev is not _UNSWAPPED:  # (install may have been interrupted part way)
+                d = slot.module.__dict__
+                if prev is _MISSING:
+                    d.pop("forward", None)
+                else:
+                    d["forward"] = prev
+                slot.prev_forward = _UNSWAPPED
             slot.wait_in.clear()
             slot.wait_out.clear()
         plan = getattr(self, "_plan", None)

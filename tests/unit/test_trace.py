@@ -294,3 +294,35 @@ def test_changes_to_the_module_tree_between_traces_are_seen():
     torch.testing.assert_close(e, net(x))
     assert "forward" not in removed.__dict__
     assert all("forward" not in m.__dict__ for m in net.modules())
+
+
+def test_an_install_interrupted_part_way_leaves_every_module_as_it_was():
+    """If wrapping the modules fails part way (here a module's ``forward`` lookup raises, as a
+    KeyboardInterrupt could), the trace raises and every module is left unwrapped."""
+
+    class Flaky(torch.nn.Linear):
+        fail = False
+
+        @property
+        def forward(self):
+            if Flaky.fail:
+                raise RuntimeError("forward lookup failed")
+            return super().forward
+
+    net = torch.nn.Sequential(torch.nn.Linear(6, 6), Flaky(6, 6), torch.nn.Linear(6, 3))
+    model = NNsight(net)
+    x = torch.randn(2, 6)
+    with model.trace(x):  # a first trace: the next one reuses its walk
+        out = model.output.save()
+    Flaky.fail = True
+    try:
+        with pytest.raises(RuntimeError, match="forward lookup failed"):
+            with model.trace(x):
+                out = model.output.save()
+    finally:
+        Flaky.fail = False
+    assert all("forward" not in m.__dict__ for m in net.modules())
+    torch.testing.assert_close(net(x), out)
+    with model.trace(x):
+        again = model.output.save()
+    torch.testing.assert_close(again, out)
