@@ -26,7 +26,7 @@ import greenlet
 import torch
 
 from .capture import GRAD_NAME, SET_GRAD_NAME
-from .context import RUNTIME, BodyContext
+from .context import RUNTIME, BodyContext, body_job
 from .batching import merge
 from .errors import GradientError, OutOfOrderError
 from .mediator import _DONE
@@ -183,7 +183,7 @@ class Backward(BodyContext):
         self._handles = []
         saved_state = tls_state()
         try:
-            self._register(self._resume(functools.partial(exec, code, scope)))
+            self._register(self._resume(body_job(code, scope)))
             multithreading = _is_multithreading()
             _set_multithreading(False)
             try:

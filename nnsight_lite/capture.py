@@ -503,6 +503,12 @@ class Scope(dict):
         dict.update(c, names)
         return c
 
+    def reset(self) -> None:
+        """Drop every name the body bound (and the tensors they hold); keep the base entries,
+        so functions defined in the body still find builtins and the runtime names."""
+        dict.clear(self)
+        dict.update(self, self._base)
+
     def knows(self, name: str) -> bool:
         """Whether ``name`` is bound here or in an enclosing Scope (another body's names)."""
         scope = self

@@ -10,13 +10,12 @@ inputs and runs the model once with every invoke body interleaved.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import sys
 
 from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patches backward)
 from .capture import Scope
-from .context import RUNTIME, BodyContext
+from .context import RUNTIME, BodyContext, body_job
 from .errors import NNsightError
 from .interleaver import Interleaver
 from .mediator import StopTrace, _collecting, current_mediator, wait_for_name
@@ -114,7 +113,7 @@ class Tracer(BodyContext):
         for body, snapshot, f_globals in model._edits:  # persistent edits run first
             edit_scope = Scope(snapshot, f_globals, RUNTIME, wait_for_name)
             made.append(edit_scope)
-            inter.add(_body_runner(body.code, edit_scope), None, edit_scope)
+            inter.add(body_job(body.code, edit_scope), None, edit_scope)
         start = 0
         sized = iter(sizes)
         many = len(invokes) > 1
@@ -126,13 +125,13 @@ class Tracer(BodyContext):
             else:
                 batch = None
             if snapshot is None:  # the trace's own body: it runs in the trace's scope
-                inter.add(_body_runner(body.code, scope), batch, scope)
+                inter.add(body_job(body.code, scope), batch, scope)
                 continue
             # Each invoke has its own scope: the trace body's names as of the invoke, then what
             # it binds itself; what other invokes bind reaches it through the shared `scope`.
             own = scope.child(snapshot)
             made.append(own)
-            med = inter.add(_body_runner(body.code, own), batch, own)
+            med = inter.add(body_job(body.code, own), batch, own)
             med.shared, med.snapshot, med.assigned = scope, snapshot, body.assigned
         try:
             if self._scan:
@@ -140,9 +139,8 @@ class Tracer(BodyContext):
             else:
                 inter.run(lambda: self._forward(inter, args, kwargs))
         finally:
-            for s in made:
-                s.clear()
-                dict.update(s, s._base)
+            for made_scope in made:
+                made_scope.reset()
 
     def _forward(self, inter: Interleaver, args: tuple, kwargs: dict):
         """What runs under the interleaver: the model's forward (``model.generate`` runs HF
@@ -152,11 +150,6 @@ class Tracer(BodyContext):
 
 def _no_barrier() -> None:
     return None
-
-
-def _body_runner(code, scope):
-    """The job a worker greenlet runs for one body (a partial: fewer objects than a closure)."""
-    return functools.partial(exec, code, scope)
 
 
 def _run_fake(inter: Interleaver, model, args, kwargs):
