@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 
 import nnsight_lite  # noqa: F401  (patches Tensor.save / Tensor.backward once)
 from nnsight_lite.interleaver import _plans
-from nnsight_lite.workers import _workers
+from tests.helpers import suspended_bodies
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, max_examples=40, print_blob=True,
@@ -34,9 +34,7 @@ def _leftovers():
                 bad.append(f"traced forward left on {type(m).__name__}")
             if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks"):
                 bad.append(f"hook left on {type(m).__name__}")
-    for w in list(_workers):
-        if w and not w.dead and (w.mediator is not None or w.grads is not None):
-            bad.append("suspended body greenlet")
+    bad.extend(suspended_bodies())
     return bad
 
 

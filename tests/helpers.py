@@ -1,10 +1,13 @@
-"""Ground truth with plain PyTorch hooks, and a reference-cycle probe."""
+"""Ground truth with plain PyTorch hooks, a reference-cycle probe, and a check for body
+greenlets left suspended."""
 
 from __future__ import annotations
 
 import gc
 
 import torch
+
+from nnsight_lite.workers import _workers
 
 
 def record(model: torch.nn.Module, names, *args, edits=None, **kwargs):
@@ -50,3 +53,14 @@ def cycles_left_by(fn) -> list:
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+
+
+def suspended_bodies() -> list[str]:
+    """Worker greenlets still suspended in a body. Idle pooled workers (no body attached) are
+    fine. No gc.collect(): a greenlet that only the collector would end counts as left behind.
+    ``_workers`` holds every live worker weakly, so there is no scan of gc.get_objects()."""
+    return [
+        f"suspended {type(w).__name__} holding a body"
+        for w in list(_workers)
+        if w and not w.dead and (w.mediator is not None or w.grads is not None)
+    ]

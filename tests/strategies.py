@@ -29,7 +29,7 @@ from collections import defaultdict
 import torch
 from hypothesis import strategies as st
 
-from nnsight_lite.workers import _workers
+from tests.helpers import suspended_bodies
 
 # --------------------------------------------------------------------------- models
 
@@ -559,11 +559,5 @@ def leftovers(module: torch.nn.Module) -> list[str]:
                      "_backward_pre_hooks"):
             if d.get(attr):
                 bad.append(f"{attr} left on {name or 'root'}")
-    # No gc.collect(): a suspended greenlet waiting for the collector counts as left behind.
-    # Body greenlets are pooled workers: an idle one (no body attached) is not a leftover.
-    # _workers holds every worker still alive (weakly), so no scan of gc.get_objects().
-    for w in list(_workers):
-        busy = w.mediator is not None or w.grads is not None
-        if not w.dead and busy:
-            bad.append(f"suspended {type(w).__name__} holding a body")
+    bad.extend(suspended_bodies())
     return bad
