@@ -11,10 +11,12 @@ the running greenlet) for the value, which waits until the model produces it.
 from __future__ import annotations
 
 import difflib
+import functools
 import threading
 
 import torch
 
+from .aliases import Tree, tree_repr
 from .errors import ModulePathError
 from .mediator import INPUT, OUTPUT, current_mediator
 from .workers import user_location
@@ -86,18 +88,23 @@ class Envoy:
             model.layer1.output[:, 0] = 0       # edit in place
             model.layer2.output = model.layer2.output * 2   # replace
 
-    Attribute access returns child Envoys for submodules and the module's own attribute for
-    everything else; ``envoy[i]``, ``len(envoy)`` and iteration work for ModuleList/Sequential.
-    Calling an Envoy calls the module (inside a body, this extra call is not traced).
+    Attribute access returns child Envoys for submodules (and for their ``rename=`` aliases)
+    and the module's own attribute for everything else; ``envoy[i]``, ``len(envoy)`` and
+    iteration work for ModuleList/Sequential. Calling an Envoy calls the module (inside a body,
+    this extra call is not traced). A module method that returns the module itself (``to``,
+    ``cuda``, ``eval``, ``requires_grad_``, ...) returns the Envoy instead, so
+    ``model = NNsight(net).to("cuda")`` keeps the wrapper.
     """
 
     _OWN = frozenset({"output", "input", "inputs"})
 
-    def __init__(self, module: torch.nn.Module, path: str = "model", root: "Envoy | None" = None):
+    def __init__(self, module: torch.nn.Module, path: str = "model", tree: "Tree | None" = None,
+                 mpath: str = ""):
         d = self.__dict__
         d["_module"] = module
-        d["_path"] = path
-        d["_root"] = root if root is not None else self
+        d["_path"] = path  # as the user reached it: model.layers[0].mlp
+        d["_mpath"] = mpath  # its named_modules() path: layers.0.mlp
+        d["_tree"] = tree if tree is not None else _EMPTY_TREE
         d["_items"] = {}
 
     # ---- values
@@ -171,17 +178,87 @@ class Envoy:
         if "_module" not in d:
             raise AttributeError(name)
         module = d["_module"]
-        sub = module._modules.get(name) if name in module._modules else None
-        if sub is not None:
-            env = Envoy(sub, f"{d['_path']}.{name}", d["_root"])
+        if module._modules.get(name) is not None:
+            return self._sub(name)
+        rel = d["_tree"].alias(d["_mpath"], name) if d["_tree"].aliases else None
+        if rel is not None:  # a rename= alias: the very Envoy its real path gives
+            env = self
+            for part in rel:
+                env = env._sub(part)
             d[name] = env
             return env
         try:
-            return getattr(module, name)
+            value = getattr(module, name)
         except AttributeError:
             if name.startswith("__"):
                 raise
             raise self._no_such(name) from None
+        if getattr(value, "__self__", None) is module and callable(value):
+            return self._method(name, value)
+        return value
+
+    def _sub(self, name: str) -> "Envoy":
+        """The Envoy of the child module ``name`` (cached; also when ``name`` is one of the
+        Envoy's own properties, ``output`` say, which attribute access would read instead)."""
+        d = self.__dict__
+        sub = d["_module"]._modules.get(name)
+        env = d.get(name)
+        if isinstance(env, Envoy) and env._module is sub:
+            return env
+        if sub is None:
+            raise self._no_such(name)
+        env = d[name] = self._child(sub, name, f"{d['_path']}.{name}")
+        return env
+
+    def _child(self, sub: torch.nn.Module, name: str, path: str) -> "Envoy":
+        """The Envoy for child module ``sub`` (named ``name`` here), of the class ``envoys=``
+        picks for it."""
+        d = self.__dict__
+        tree = d["_tree"]
+        mpath = f"{d['_mpath']}.{name}" if d["_mpath"] else name
+        cls = tree.envoy_class(sub, mpath, Envoy) if tree.classes else Envoy
+        return cls(sub, path, tree, mpath)
+
+    def _method(self, name: str, method):
+        """``method`` of the module, returning this Envoy where it would return the module."""
+        module = self._module
+
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            out = method(*args, **kwargs)
+            return self if out is module else out
+
+        return call
+
+    def modules(self, include_fn=None, names: bool = False) -> list:
+        """Every Envoy in this subtree, this one first (``names=True``: ``(path, envoy)`` pairs,
+        paths as ``named_modules()`` gives them). ``include_fn(envoy)`` filters.
+
+        Example::
+
+            linears = [e for e in model.modules() if isinstance(e._module, torch.nn.Linear)]
+        """
+        out = []
+        seen = set()
+        stack = [("", self)]
+        while stack:
+            rel, env = stack.pop()
+            if id(env._module) in seen:
+                continue
+            seen.add(id(env._module))
+            if include_fn is None or include_fn(env):
+                out.append((rel, env) if names else env)
+            kids = [(n, getattr(env, n)) for n, m in env._module._modules.items() if m is not None]
+            stack.extend((f"{rel}.{n}" if rel else n, e) for n, e in reversed(kids))
+        return out
+
+    def named_modules(self, *args, **kwargs) -> list:
+        """``modules(names=True)``: ``(path, envoy)`` pairs for this subtree."""
+        return self.modules(*args, names=True, **kwargs)
+
+    def children(self) -> list:
+        """The Envoys of this module's direct children."""
+        return [getattr(self, n) for n, m in self._module._modules.items() if m is not None]
 
     def _no_such(self, name: str) -> ModulePathError:
         children = list(self._module._modules)
@@ -220,9 +297,9 @@ class Envoy:
             return [self[i] for i in range(len(self._module))[key]]
         if not isinstance(sub, torch.nn.Module):
             return sub
-        env = Envoy(sub, f"{self._path}[{key!r}]", self._root)
         children = self._module._modules
         name = next((n for n, m in children.items() if m is sub), None)
+        env = self._child(sub, name if name is not None else str(key), f"{self._path}[{key!r}]")
         if name is not None:
             items[key] = (env, name, len(children))
         return env
@@ -240,6 +317,9 @@ class Envoy:
         return self._module(*args, **kwargs)
 
     def __repr__(self) -> str:
+        tree = self._tree
+        if tree.aliases:
+            return tree_repr(self._module, tree, self._mpath)
         return repr(self._module)
 
     def __dir__(self):
@@ -247,8 +327,13 @@ class Envoy:
 
     # pickling/copying an Envoy copies the wrapper around the same module reference
     def __getstate__(self):
-        return dict(self.__dict__)
+        state = dict(self.__dict__)
+        state.pop("_plan", None)  # per-process trace machinery (wrapper functions)
+        return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
 
+
+
+_EMPTY_TREE = Tree(torch.nn.Module())

@@ -2,7 +2,7 @@
 
     Interleaver    one per trace: counts module calls, hands values to waiting bodies
     Slot           per-trace state of one module: call counters, who waits on it
-    _plans         per model: its slots and wrappers, reused by the next trace
+    _Plan          per model wrapper: its slots and wrappers, reused by the next trace
     (Mediator, the per-invoke side, is in mediator.py; worker greenlets in workers.py)
 
 How a value reaches a body: the body asks for ``(slot, kind, call)`` and switches to the parent
@@ -48,13 +48,12 @@ class Slot:
     """Per-trace state of one module: its call counters and the bodies waiting on it."""
 
     __slots__ = ("module", "parent", "attr", "calls", "outs", "wait_in", "wait_out",
-                 "prev_forward", "orig", "wrapper")
+                 "prev_forward", "orig")
 
     def __init__(self, module, parent, attr):
         self.module = module
         self.orig = None  # the forward the wrapper calls (set at every install)
         self.prev_forward = _UNSWAPPED  # the instance ``forward`` entry the wrapper replaced
-        self.wrapper = None
         self.parent = parent  # the Slot of the module that holds this one (None at the root)
         self.attr = attr  # this module's name in its parent
         self.calls = 0  # calls whose input stage has begun
@@ -88,8 +87,11 @@ class Slot:
 class Interleaver:
     """Runs one forward with its invoke bodies interleaved. One instance per trace."""
 
-    def __init__(self, root: torch.nn.Module, total: int = 1):
+    def __init__(self, root: torch.nn.Module, total: int = 1, home: "dict | None" = None):
         self.root = root
+        # where the model's _Plan is kept between traces: the wrapper's __dict__. Keeping it on
+        # the wrapper (not in a table keyed by the module) lets the module go with the wrapper.
+        self.home = home
         self.total = total
         self.mediators: list[Mediator] = []
         self.slots: dict[int, Slot] = {}
@@ -246,36 +248,44 @@ class Interleaver:
         objects) it had, the last walk is reused; any change to the tree (a child replaced,
         added, removed or renamed) makes a new walk, so it is always seen.
         """
-        plan = _plans.get(self.root)
-        if plan is not None and plan.inter is not None and plan.inter.thread != self.thread:
+        key = id(self.root)
+        other = _active.get(key)
+        if other is not None and other.thread != self.thread:
             raise NNsightError(
                 f"this model ({type(self.root).__name__}) is being traced by another thread right "
                 "now; traces of one model cannot overlap across threads (its modules' forward "
                 "methods are swapped for the trace). Trace separate model objects per thread, "
                 "or take turns with a lock."
             )
+        home = self.home
+        plan = home.get("_plan") if home is not None else None
         if plan is None or plan.inter is not None:  # first trace, or one nested in another
             plan = _Plan()
-            if self.root not in _plans:
-                _plans[self.root] = plan
+            if home is not None and home.get("_plan") is None:
+                home["_plan"] = plan
+        if other is None:
+            _active[key] = self
+        _traced.add(self.root)
         plan.inter = self
         self._plan = plan
         flat = plan.flat
-        if flat is None or not _same_tree(flat):
+        if flat is None or flat[0][0] is not self.root or not _same_tree(flat):
             flat = self._walk(plan)
         self.slots = plan.slots
-        for module, slot, _ in flat:
+        for module, slot, _, wrapper in flat:
             slot.calls = slot.outs = 0
             d = module.__dict__
             slot.prev_forward = d.get("forward", _MISSING)
             slot.orig = module.forward
-            d["forward"] = slot.wrapper
+            d["forward"] = wrapper
 
     def _walk(self, plan: "_Plan") -> list:
         """Walk the module tree (pre-order, each module once): make or reuse each module's Slot
         and record the walk in ``plan`` (``plan.slots``, ``plan.flat``)."""
         old = plan.slots
+        old_wrappers = plan.wrappers
         slots = {}
+        wrappers = {}
         flat = []
         stack = [(self.root, None, "")]
         pop, push = stack.pop, stack.extend
@@ -287,16 +297,19 @@ class Interleaver:
             slot = old.get(key)
             if slot is None or slot.module is not module:
                 slot = Slot(module, parent, attr)
-                slot.wrapper = _wrapper(slot, plan)
+                wrapper = _wrapper(slot, plan.live)
             else:
                 slot.parent = parent
                 slot.attr = attr
+                wrapper = old_wrappers[key]
             slots[key] = slot
+            wrappers[key] = wrapper
             children = module._modules
-            flat.append((module, slot, tuple(children.items())))
+            flat.append((module, slot, tuple(children.items()), wrapper))
             if children:
                 push([(c, slot, n) for n, c in reversed(children.items()) if c is not None])
         plan.slots = slots
+        plan.wrappers = wrappers
         plan.flat = flat
         return flat
 
@@ -315,6 +328,8 @@ class Interleaver:
         plan = getattr(self, "_plan", None)
         if plan is not None:
             plan.inter = None
+        if _active.get(id(self.root)) is self:
+            del _active[id(self.root)]
 
     def _serve_output(self, slot: Slot, call: int, out):
         key = (slot, OUTPUT, call)
@@ -357,34 +372,60 @@ class Interleaver:
         return args, kwargs, out
 
 
-class _Plan:
-    """A model's slots and wrappers, reused by its next trace. ``inter`` is the running trace."""
+class _Live:
+    """What the wrappers of one plan read at every call: the trace running now (or None)."""
 
-    __slots__ = ("slots", "inter", "flat", "__weakref__")
+    __slots__ = ("inter",)
+
+    def __init__(self):
+        self.inter = None
+
+
+class _Plan:
+    """A model's slots and wrappers, reused by its next trace. ``inter`` is the running trace.
+
+    Nothing here points back at the plan (the wrappers reach the running trace through
+    ``live``), so a plan, and the modules its slots hold, go by reference counting with the
+    wrapper that keeps it.
+    """
+
+    __slots__ = ("slots", "wrappers", "live", "flat", "__weakref__")
 
     def __init__(self):
         self.slots = {}
-        self.inter = None
-        # (module, slot, its children as (name, module) pairs) in walk order, from the last
-        # full walk: when every module still has exactly those children, the walk is the same
+        self.wrappers = {}  # id(module) -> the forward wrapper installed on it during traces
+        self.live = _Live()
+        # (module, slot, its children as (name, module) pairs, wrapper) in walk order, from the
+        # last full walk: when every module still has exactly those children, the walk is the same
         self.flat = None
+
+    @property
+    def inter(self):
+        return self.live.inter
+
+    @inter.setter
+    def inter(self, value):
+        self.live.inter = value
 
 
 def _same_tree(flat) -> bool:
-    for module, _, children in flat:
+    for module, _, children, _ in flat:
         if tuple(module._modules.items()) != children:
             return False
     return True
 
 
-_plans: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan]" = weakref.WeakKeyDictionary()
+#: id(root module) -> the Interleaver tracing it now (outermost trace), to refuse other threads
+_active: "dict[int, Interleaver]" = {}
+#: every root module traced so far, held weakly (the test suite checks them for leftovers)
+_traced: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
-def _wrapper(slot: Slot, plan: _Plan):
+def _wrapper(slot: Slot, live: _Live):
     """The ``forward`` installed on ``slot.module`` while a trace of its model runs."""
 
     def forward(*args, **kwargs):
-        inter = plan.inter
+        inter = live.inter
         if inter is None or _getcurrent() is not inter.runner:
             # a body calling a module itself (not counted), or a call outside the trace
             return slot.orig(*args, **kwargs)

@@ -46,6 +46,8 @@ class _GeneratorOutput(torch.nn.Module):
     """Identity module called once with generate's result, so bodies can read it as
     ``model.generator.output``. Attached to the model only while a generate runs."""
 
+    attached = False  # True while a generate runs (the module sits in the model's tree then)
+
     def forward(self, ids):
         return ids
 
@@ -55,7 +57,7 @@ class _GeneratorEnvoy(Envoy):
 
     @property
     def output(self):
-        if self._module is not self._root._module._modules.get("generator"):
+        if not self._module.attached:
             raise NNsightError(
                 "model.generator.output (the generated ids) exists only inside "
                 "`with model.generate(prompt, max_new_tokens=k):`; in a trace read "
@@ -103,7 +105,8 @@ class LanguageModel(NNsight):
     """
 
     def __init__(self, model, *, tokenizer=None, dispatch: bool = False, automodel=None,
-                 tokenizer_kwargs: dict | None = None, **kwargs):
+                 tokenizer_kwargs: dict | None = None, rename: dict | None = None,
+                 envoys: dict | None = None, **kwargs):
         d = self.__dict__
         d["_load_kwargs"] = kwargs
         d["_automodel"] = automodel
@@ -137,10 +140,10 @@ class LanguageModel(NNsight):
                 "LanguageModel(model) takes a directory, a hub id or a torch.nn.Module, got "
                 f"{type(model).__name__}"
             )
-        super().__init__(module)
+        super().__init__(module, rename=rename, envoys=envoys)
         d["_tokenizer"] = prompts.with_pad_token(tokenizer)
         d["_generator_module"] = _GeneratorOutput()
-        d["_generator"] = _GeneratorEnvoy(d["_generator_module"], "model.generator", self)
+        d["_generator"] = _GeneratorEnvoy(d["_generator_module"], "model.generator")
 
     # ---- loading
 
@@ -247,15 +250,14 @@ class LanguageModel(NNsight):
         ``i`` is generation step ``i``, addressed with ``.next()``, ``tracer.iter[...]`` or
         ``tracer.all()``. Tokenizer keywords go to the tokenizer, every other keyword to
         ``generate`` (``max_length`` too: here it is generate's total length; give it to
-        ``tracer.invoke`` to truncate a prompt). ``max_new_tokens`` (or ``max_length``) is
-        required unless the model's generation config sets one. With ``trace=False`` it returns
-        generate's output directly.
+        ``tracer.invoke`` to truncate a prompt). Without ``max_new_tokens``/``max_length`` the
+        model's generation config decides the length, as with HF ``generate``. With
+        ``trace=False`` it returns generate's output directly.
         """
         # max_length means generate's total length here; per-invoke truncation can still use it
         tok = {k: v for k, v in kwargs.items()
                if k in prompts.TOKENIZER_KWARGS and k != "max_length"}
         gen = {k: v for k, v in kwargs.items() if k not in tok}
-        self._check_generate_kwargs(gen)
         self.dispatch()
         if not trace:
             args, kw, _ = self._batch_inputs([self._prepare_inputs(*inputs, **tok)])
@@ -265,6 +267,13 @@ class LanguageModel(NNsight):
     def __call__(self, *args, **kwargs):
         self.dispatch()
         return self._module(*args, **kwargs)
+
+    def _method(self, name: str, method):
+        # moving or casting a model still on the meta device loads its weights first
+        if name in _LOADS_FIRST and not self.dispatched:
+            self.dispatch()
+            method = getattr(self._module, name)
+        return super()._method(name, method)
 
     # ---- inputs
 
@@ -311,15 +320,6 @@ class LanguageModel(NNsight):
 
     # ---- generation
 
-    def _check_generate_kwargs(self, gen: dict) -> None:
-        if gen.get("max_new_tokens") is None and gen.get("max_length") is None:
-            config = getattr(self._module, "generation_config", None)
-            if getattr(config, "max_new_tokens", None) is None:
-                raise InputError(
-                    "model.generate(...) needs max_new_tokens=N (how many tokens to generate), "
-                    "e.g. model.generate(prompt, max_new_tokens=20)"
-                )
-
     def _run_generate(self, args: tuple, kwargs: dict, gen: dict):
         """HF ``generate`` on the batched inputs (its defaults: the model's generation config)."""
         gen = dict(gen)
@@ -351,13 +351,14 @@ class Generator(Tracer):
             ids = model.generator.output.save()
         assert len(hs) == 4 and tracer.result.shape[1] == ids.shape[1]
 
-    ``tracer.result`` holds what HF ``generate`` returned (the ids, prompt included).
+    ``tracer.result`` is what HF ``generate`` returned (the ids, prompt included): inside the
+    body it waits for generation to end (like ``model.generator.output``); after the block it
+    is the ids.
     """
 
     def __init__(self, model: LanguageModel, args: tuple, tok_kwargs: dict, gen_kwargs: dict):
         super().__init__(model, args, tok_kwargs)
         self._gen_kwargs = gen_kwargs
-        self.result = None
 
     def _run(self, scope):
         model = self.model
@@ -369,9 +370,11 @@ class Generator(Tracer):
                 "model.generator would hide; rename it to trace generate on this model"
             )
         hf._modules["generator"] = gen  # so the trace counts its call and serves its output
+        gen.attached = True
         try:
             super()._run(scope)
         finally:
+            gen.attached = False
             del hf._modules["generator"]
 
     def _forward(self, inter, args: tuple, kwargs: dict):
@@ -380,11 +383,18 @@ class Generator(Tracer):
         # The model makes no more calls: bodies looping over steps leave their loops now, so
         # code after the loop can read model.generator.output, served by the call below.
         inter.end_iterations()
-        self.result = model._generator_module(out)
-        return self.result
+        self._result = model._generator_module(out)
+        return self._result
+
+    def _result_envoy(self):
+        return self.model.generator
 
 
 # --------------------------------------------------------------------------- helpers
+
+#: module methods of a LanguageModel that load the weights first when it is still on meta
+_LOADS_FIRST = frozenset({"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type",
+                          "xpu", "mps"})
 
 _TAKES_POSITION_IDS: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
 

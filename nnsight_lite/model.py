@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .aliases import Tree
 from .batching import batch_size_of, concat_inputs
 from .envoy import Envoy
 from .tracing import Editor, Session, Tracer
@@ -27,16 +28,23 @@ class NNsight(Envoy):
             model[1].output[:] = 0
         print(hidden.shape)     # torch.Size([3, 8])
 
+    - ``rename={"layers": "blocks", "transformer.h": "h"}``: aliases for module paths, usable
+      everywhere a path is (bodies, ``tracer.cache``); see aliases.py for the key forms.
+    - ``envoys={torch.nn.Linear: MyEnvoy, "mlp": MyEnvoy}``: the Envoy subclass to use for the
+      modules of a class or at a path suffix (add your own properties there).
+
     ``model(x)`` outside a trace is the plain forward. Subclasses change how inputs are prepared
     and batched by overriding ``_prepare_inputs``, ``_batch_inputs`` and ``_run_forward``.
     """
 
     _edits: tuple = ()
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, *, rename: dict | None = None,
+                 envoys: dict | None = None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"NNsight wraps a torch.nn.Module, got {type(module).__name__}")
-        super().__init__(module, "model")
+        reserved = frozenset(n for n in dir(type(self)) if not n.startswith("_"))
+        super().__init__(module, "model", Tree(module, rename, envoys, reserved))
 
     def trace(self, *inputs, trace: bool = True, **kwargs):
         """``with model.trace(*inputs, **kwargs) as tracer:`` - see :class:`Tracer`.
@@ -74,7 +82,6 @@ class NNsight(Envoy):
         """Another wrapper of the same module (same children), with its own edits."""
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
-        new.__dict__["_root"] = new
         return new
 
     # ---- overridable input handling

@@ -18,7 +18,8 @@ from .capture import Scope
 from .context import RUNTIME, BodyContext, body_job
 from .errors import NNsightError
 from .interleaver import Interleaver
-from .mediator import StopTrace, _collecting, current_mediator, wait_for_name
+from .mediator import _MISSING, StopTrace, _collecting, current_mediator, wait_for_name
+from .workers import _getcurrent
 
 
 class Tracer(BodyContext):
@@ -31,8 +32,12 @@ class Tracer(BodyContext):
             tracer.stop()            # modules after this point do not run
 
     ``tracer.invoke(...)`` adds an invoke (when the trace itself has no inputs); ``tracer.iter[i]``
-    / ``tracer.all()`` loop over a module's repeated calls; ``tracer.stop()`` ends the forward.
+    / ``tracer.all()`` loop over a module's repeated calls; ``tracer.stop()`` ends the forward;
+    ``tracer.result`` in a body is what the traced call returns (``out = tracer.result.save()``).
     """
+
+    _inter = None  # the running trace's Interleaver (only while it runs)
+    _result = _MISSING  # what the traced call returned, where it outlives the trace (generate)
 
     def __init__(self, model, args: tuple, kwargs: dict, *, scan: bool = False):
         self.model = model
@@ -76,6 +81,38 @@ class Tracer(BodyContext):
         """Loop over every call of the modules a body reads: ``for step in tracer.all():``."""
         return _iterate(slice(None))
 
+    @property
+    def result(self):
+        """What the traced call returns: the model's output in a trace, the generated ids in a
+        generate. Inside a body it waits for the call to finish, like ``model.output``.
+
+        Example::
+
+            with model.trace(x) as tracer:
+                out = tracer.result.save()      # the same value as model.output
+        """
+        inter = self._inter
+        if inter is not None:
+            med = getattr(_getcurrent(), "mediator", None)
+            if med is not None and med.interleaver is inter:
+                return self._result_envoy().output
+        if self._result is not _MISSING:
+            return self._result
+        if self._collecting or inter is not None:
+            raise NNsightError(
+                "tracer.result was read in the body of a trace that was given no inputs, which "
+                "only sets up invokes; read it inside a `with tracer.invoke(...):` block"
+            )
+        raise NNsightError(
+            "tracer.result is only readable inside the trace's body (it waits for the model's "
+            "output there); values do not outlive a trace unless saved: write "
+            "`out = tracer.result.save()` in the body and use `out` afterwards"
+        )
+
+    def _result_envoy(self):
+        """The Envoy whose output ``tracer.result`` is: the model's root."""
+        return self.model
+
     # ---- running
 
     def _on_exit(self, frame):
@@ -108,9 +145,11 @@ class Tracer(BodyContext):
         prepared = [model._prepare_inputs(*a, **k) for a, k in with_input]
         args, kwargs, sizes = model._batch_inputs(prepared)
         total = sum(sizes)
-        inter = Interleaver(model._module, total)
+        inter = Interleaver(model._module, total, model.__dict__)
         made = []  # the scopes made here, cleared after the run (functions bound in them)
-        for body, snapshot, f_globals in model._edits:  # persistent edits run first
+        for body, snapshot, f_globals, selves in model._edits:  # persistent edits run first
+            if selves:  # the names that meant the edited model mean the model traced now
+                snapshot = {**snapshot, **dict.fromkeys(selves, model)}
             edit_scope = Scope(snapshot, f_globals, RUNTIME, wait_for_name)
             made.append(edit_scope)
             inter.add(body_job(body.code, edit_scope), None, edit_scope)
@@ -133,12 +172,14 @@ class Tracer(BodyContext):
             made.append(own)
             med = inter.add(body_job(body.code, own), batch, own)
             med.shared, med.snapshot, med.assigned = scope, snapshot, body.assigned
+        self._inter = inter
         try:
             if self._scan:
                 _run_fake(inter, model, args, kwargs)
             else:
                 inter.run(lambda: self._forward(inter, args, kwargs))
         finally:
+            self._inter = None
             for made_scope in made:
                 made_scope.reset()
 
@@ -247,8 +288,26 @@ class Editor(BodyContext):
         return self._target
 
     def _on_exit(self, frame):
-        snapshot = dict(frame.f_locals)  # the caller's variables as the edit was written
-        self._target.__dict__["_edits"] = self._target._edits + ((self._body, snapshot, frame.f_globals),)
+        # The caller's variables the body reads, as the edit was written. Those that are the
+        # edited model itself are kept as names only (bound at each trace): the model holding
+        # its own edit would be a reference cycle, freed only by the garbage collector.
+        target = self._target
+        f_locals = frame.f_locals
+        snapshot = {k: f_locals[k] for k in _names_read(self._body.code) if k in f_locals}
+        selves = tuple(k for k, v in snapshot.items() if v is target)
+        for k in selves:
+            del snapshot[k]
+        edit = (self._body, snapshot, frame.f_globals, selves)
+        target.__dict__["_edits"] = target._edits + (edit,)
+
+
+def _names_read(code) -> set:
+    """Every name ``code`` (and code nested in it) may look up: a superset is fine."""
+    names = set(code.co_names) | set(code.co_freevars)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names_read(const)
+    return names
 
 
 class _IterIndexer:

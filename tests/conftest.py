@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import nnsight_lite  # noqa: F401  (patches Tensor.save / Tensor.backward once)
-from nnsight_lite.interleaver import _plans
+from nnsight_lite.interleaver import _traced
 from tests.helpers import suspended_bodies
 
 settings.register_profile(
@@ -26,7 +26,7 @@ def _leftovers():
     """Traced forwards or hooks left on any model nnsight_lite has traced, and body greenlets
     still suspended in a body (idle pooled workers are fine)."""
     bad = []
-    for root in list(_plans.keys()):
+    for root in list(_traced):
         for m in root.modules():
             d = m.__dict__
             fwd = d.get("forward")

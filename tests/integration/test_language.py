@@ -565,12 +565,6 @@ class TestErrors:
                 with tracer.invoke(""):
                     pass
 
-    def test_generate_needs_max_new_tokens(self, lm):
-        with pytest.raises(InputError, match=r"needs max_new_tokens=N .* "
-                                             r"model.generate\(prompt, max_new_tokens=20\)"):
-            with lm.generate("hello"):
-                pass
-
     def test_tokenizer_options_with_token_ids(self, lm):
         with pytest.raises(InputError, match=r"tokenizer options \['max_length'\] apply to text"):
             with lm.trace([1, 2], max_length=3):

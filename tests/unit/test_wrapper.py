@@ -1,0 +1,337 @@
+"""The wrapper as a torch user holds it: freed when dropped, torch methods keep the wrapper,
+``tracer.result``, ``modules()``, ``rename=`` aliases and ``envoys=`` classes."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import nnsight_lite
+from nnsight_lite import Envoy, NNsight
+from nnsight_lite.errors import NNsightError
+from tests.helpers import record
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+class TestFreed:
+    """A model, its layers and parameters go when the user drops the wrapper and the module."""
+
+    @pytest.mark.parametrize("traced", [False, True])
+    def test_many_recreations_leave_nothing_alive(self, traced):
+        """As in a notebook cell re-run 20 times: every old model is freed, by reference
+        counting alone (the collector off) and after gc.collect()."""
+        refs = []
+        x = torch.randn(2, 4)
+        gc.disable()
+        try:
+            for i in range(20):
+                net = _net(i)
+                model = NNsight(net)
+                refs += [weakref.ref(net), weakref.ref(net[0]), weakref.ref(net[0].weight),
+                         weakref.ref(model)]
+                if traced:
+                    with model.trace(x):
+                        h = model[0].output.save()
+                        model[2].output[:, 0] = 0
+                        first = model.output.save()
+                    with model.trace() as tracer:
+                        with tracer.invoke(x):
+                            a = model[0].output
+                        with tracer.invoke(x):
+                            model[0].output[:] = a
+                            out = model.output.save()
+                    with first.sum().backward():
+                        g = h.grad.save()
+                    del h, out, g, first, tracer  # a tracer holds its model
+                del net, model
+            alive_without_gc = sum(r() is not None for r in refs)
+        finally:
+            gc.enable()
+        gc.collect()
+        assert sum(r() is not None for r in refs) == 0
+        assert alive_without_gc == 0
+
+    @pytest.mark.parametrize("inplace", [False, True])
+    def test_edited_models_go_without_the_collector(self, inplace):
+        """An edit body that names the edited model does not make the model hold itself."""
+        net = _net()
+        model = NNsight(net)
+        x = torch.randn(1, 4)
+        with model.edit(inplace=inplace) as edited:
+            edited[0].output[:] = 0
+        with edited.trace(x):
+            out = edited.output.save()
+        assert torch.equal(out, net[2](net[1](torch.zeros(1, 8))))
+        refs = [weakref.ref(net), weakref.ref(edited)]
+        gc.disable()
+        try:
+            del net, model, edited
+            assert [r() for r in refs] == [None, None]
+        finally:
+            gc.enable()
+
+
+class TestTorchMethodsKeepTheWrapper:
+    """Module methods that return the module return the wrapper (``model = NNsight(net).to(..)``)."""
+
+    @pytest.mark.parametrize("call", [
+        lambda m: m.to(torch.float64), lambda m: m.double(), lambda m: m.float(),
+        lambda m: m.cpu(), lambda m: m.eval(), lambda m: m.train(False),
+        lambda m: m.requires_grad_(False), lambda m: m.to("cpu"), lambda m: m.type(torch.float64),
+    ])
+    def test_returns_the_wrapper(self, call):
+        model = NNsight(_net())
+        assert call(model) is model
+
+    def test_traced_after_to_matches_the_plain_forward(self):
+        net = _net()
+        model = NNsight(net).to(torch.float64)
+        x = torch.randn(2, 4, dtype=torch.float64)
+        with model.trace(x):
+            out = model.output.save()
+        assert out.dtype == torch.float64
+        assert torch.equal(out, net(x))
+
+    def test_eval_sets_the_module_mode(self):
+        net = torch.nn.Sequential(torch.nn.Dropout(0.5))
+        model = NNsight(net).eval()
+        assert not net.training
+        x = torch.ones(4, 4)
+        with model.trace(x):
+            out = model.output.save()
+        assert torch.equal(out, x)  # dropout off in eval mode
+
+    def test_child_methods_return_the_child_envoy(self):
+        model = NNsight(_net())
+        assert model[0].double() is model[0]
+
+    def test_other_methods_return_what_torch_returns(self):
+        model = NNsight(_net())
+        assert list(model.parameters()) == list(model._module.parameters())
+        assert model.state_dict().keys() == model._module.state_dict().keys()
+
+
+class TestResult:
+    """``tracer.result`` in a body waits for the traced call and is its output."""
+
+    def test_in_a_body_equals_the_plain_forward(self):
+        net = _net()
+        x = torch.randn(2, 4)
+        with NNsight(net).trace(x) as tracer:
+            out = tracer.result.save()
+        assert torch.equal(out, net(x))
+
+    def test_reflects_edits(self):
+        net = _net()
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+        with model.trace(x) as tracer:
+            model[0].output[:] = 0
+            out = tracer.result.save()
+        assert torch.equal(out, net[2](torch.zeros(2, 8)))
+
+    def test_in_invokes_each_sees_its_rows(self):
+        net = _net()
+        model = NNsight(net)
+        x1, x2 = torch.randn(1, 4), torch.randn(2, 4)
+        with model.trace() as tracer:
+            with tracer.invoke(x1):
+                a = tracer.result.save()
+            with tracer.invoke(x2):
+                b = tracer.result.save()
+        assert torch.allclose(a, net(x1), atol=1e-6) and torch.allclose(b, net(x2), atol=1e-6)
+
+    def test_after_the_trace_says_to_save_it(self):
+        model = NNsight(_net())
+        with model.trace(torch.randn(1, 4)) as tracer:
+            pass
+        with pytest.raises(NNsightError, match=r"tracer.result.save\(\)"):
+            tracer.result
+
+    def test_in_a_collecting_body_says_to_use_an_invoke(self):
+        model = NNsight(_net())
+        with pytest.raises(NNsightError, match=r"inside a `with tracer.invoke"):
+            with model.trace() as tracer:
+                tracer.result
+                with tracer.invoke(torch.randn(1, 4)):
+                    pass
+
+
+class TestModules:
+    def test_modules_are_envoys_in_named_modules_order(self):
+        net = _net()
+        model = NNsight(net)
+        envs = model.modules()
+        assert all(isinstance(e, Envoy) for e in envs)
+        assert [e._module for e in envs] == list(net.modules())
+        assert [p for p, _ in model.named_modules()] == [p for p, _ in net.named_modules()]
+        assert [c._module for c in model.children()] == list(net.children())
+
+    def test_include_fn_and_reading_outputs_of_the_envoys(self):
+        net = _net()
+        model = NNsight(net)
+        linears = model.modules(include_fn=lambda e: isinstance(e._module, torch.nn.Linear))
+        x = torch.randn(2, 4)
+        with model.trace(x):
+            outs = nnsight_lite.save([e.output for e in linears])
+        seen, _ = record(net, ["0", "2"], x)
+        assert torch.equal(outs[0], seen[("0", 0)]) and torch.equal(outs[1], seen[("2", 0)])
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.norm(x + self.mlp(x))
+
+
+class Backbone(torch.nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        self.h = torch.nn.ModuleList([Block() for _ in range(n)])
+
+    def forward(self, x):
+        for b in self.h:
+            x = b(x)
+        return x
+
+
+class Top(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.transformer = Backbone()
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.transformer(x))
+
+
+class TestRename:
+    """``rename=`` aliases reach the very Envoys of the real paths, in bodies too."""
+
+    def test_forms(self):
+        model = NNsight(Top(), rename={
+            "transformer.h": "layers", "mlp": "ffn", "transformer": ["backbone", "mdl"],
+        })
+        assert model.layers is model.transformer.h
+        assert model.layers[1] is model.transformer.h[1]
+        assert model.transformer.h[2].ffn is model.transformer.h[2].mlp
+        assert model.backbone is model.transformer and model.mdl is model.transformer
+
+    def test_leading_dot_star_and_class_keys(self):
+        m = NNsight(Top(), rename={".h": "blocks"})
+        assert m.transformer.blocks is m.transformer.h
+        with pytest.raises(AttributeError):
+            m.blocks
+        m = NNsight(Top(), rename={"*.h": "blocks"})
+        assert m.blocks is m.transformer.h
+        m = NNsight(Top(), rename={torch.nn.LayerNorm: "ln"})
+        assert m.transformer.h[0].ln is m.transformer.h[0].norm
+
+    def test_aliases_in_a_body_equal_plain_hooks(self):
+        top = Top()
+        model = NNsight(top, rename={"transformer.h": "layers", "mlp": "ffn"})
+        x = torch.randn(2, 4)
+        with model.trace(x):
+            a = model.layers[1].ffn.output.clone().save()
+            model.layers[1].ffn.output[:] = 0
+            out = model.output.save()
+        seen, ref = record(top, ["transformer.h.1.mlp"], x,
+                           edits={"transformer.h.1.mlp": lambda c, o: torch.zeros_like(o)})
+        plain, _ = record(top, ["transformer.h.1.mlp"], x)
+        assert torch.equal(a, plain[("transformer.h.1.mlp", 0)])
+        assert torch.equal(out, ref)
+
+    def test_a_key_naming_nothing_is_skipped(self):
+        model = NNsight(Top(), rename={"self_attn": "att", "layers": "blocks"})
+        assert not model._tree.aliases
+
+    @pytest.mark.parametrize("rename,match", [
+        ({"head": "output"}, r"'output' for 'head' would hide an attribute of nnsight_lite's Envoy"),
+        ({"head": "transformer"}, r"would hide a child module of that name on model"),
+        ({"mlp": "training"}, r"'training' for 'mlp' would hide an attribute of the Block "
+                              r"module on model.transformer.h.0"),
+        ({"head": "x", "transformer": "x"}, r"alias 'x' an earlier key already gave to head"),
+        ({"mlp": "not a name"}, r"an alias is a Python name"),
+    ])
+    def test_clashes_are_refused_when_built(self, rename, match):
+        with pytest.raises((ValueError, TypeError), match=match):
+            NNsight(Top(), rename=rename)
+
+    def test_class_key_matching_two_children_is_refused(self):
+        class Two(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.LayerNorm(2)
+                self.b = torch.nn.LayerNorm(2)
+
+        with pytest.raises(ValueError, match=r"matches 2 children of model \(a, b\)"):
+            NNsight(Two(), rename={torch.nn.LayerNorm: "ln"})
+
+    def test_a_submodule_named_output_is_reachable_by_an_alias(self):
+        """BERT-style ``layer.output`` submodules hide behind Envoy.output; an alias reaches them."""
+        class Layer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.output = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                return self.output(x) * 2
+
+        layer = Layer()
+        model = NNsight(torch.nn.Sequential(layer), rename={"output": "out_proj"})
+        x = torch.randn(2, 4)
+        with model.trace(x):
+            inner = model[0].out_proj.output.save()
+            outer = model[0].output.save()
+        assert torch.equal(inner, layer.output(x)) and torch.equal(outer, layer(x))
+
+    def test_repr_shows_aliases(self):
+        model = NNsight(Top(), rename={"transformer": "backbone", "transformer.h": "layers"})
+        text = repr(model)
+        assert "(backbone/transformer): Backbone(" in text
+        assert "(layers): ModuleList(-> transformer.h)" in text
+        assert "(mlp): Linear(in_features=4, out_features=4, bias=True)" in text
+
+
+class Doubling(Envoy):
+    """A custom Envoy: ``.doubled`` is twice the module's output."""
+
+    @property
+    def doubled(self):
+        return self.output * 2
+
+
+class TestEnvoyClasses:
+    def test_by_class_and_by_path_suffix(self):
+        model = NNsight(Top(), envoys={torch.nn.LayerNorm: Doubling, "h.*.mlp": Doubling})
+        assert type(model.transformer.h[0].norm) is Doubling
+        assert type(model.transformer.h[2].mlp) is Doubling
+        assert type(model.head) is Envoy and type(model.transformer) is Envoy
+
+    def test_suffix_through_an_alias(self):
+        model = NNsight(Top(), rename={"transformer.h": "layers"}, envoys={"layers.*": Doubling})
+        assert type(model.layers[1]) is Doubling
+
+    def test_custom_property_in_a_body(self):
+        top = Top()
+        model = NNsight(top, envoys={torch.nn.LayerNorm: Doubling})
+        x = torch.randn(2, 4)
+        with model.trace(x):
+            d = model.transformer.h[0].norm.doubled.save()
+        assert torch.equal(d, top.transformer.h[0](x) * 2)
+
+    def test_value_must_be_an_envoy_class(self):
+        with pytest.raises(TypeError, match=r"must be an Envoy subclass"):
+            NNsight(Top(), envoys={torch.nn.Linear: dict})
