@@ -29,6 +29,9 @@ from .capture import (
 from .envoy import _saved_stack, save_in_body
 from .errors import BodySyntaxError
 from .mediator import wait_for_name
+from .tracebacks import clean
+
+_PY311 = sys.version_info >= (3, 11)
 
 RUNTIME = {SAVE_NAME: save_in_body, INLINE_NAME: body_runs_inline, NAME_NAME: class_body_name}
 _INLINE = object()  # the token of a context entered from a compiled body (no line tracer)
@@ -78,7 +81,14 @@ class BodyContext:
         frame, self._frame = self._frame, None
         if exc_type is not expected:
             return False
-        self._on_exit(frame)
+        try:
+            self._on_exit(frame)
+        except BaseException as err:
+            __tracebackhide__ = True  # noqa: F841  (pytest and IPython hide this frame)
+            clean(err, SkipBody)  # the user's frames only (see tracebacks.py)
+            if _PY311:
+                raise  # re-raised as it is: no frame of this function is added to it
+            raise err  # 3.10's bare raise would put the unfiltered traceback back
         return True
 
     def _on_exit(self, frame):  # pragma: no cover - abstract

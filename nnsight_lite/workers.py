@@ -99,10 +99,14 @@ def switch_job(w: BodyGreenlet, value=None, throw: BaseException | None = None):
         _release_worker(w)
         if err is not None:
             throw = None
+            # raising it here would make whatever this greenlet is handling (the SkipBody of the
+            # with-statement) its context: keep the context the body's own code gave it
+            context, suppress = err.__context__, err.__suppress_context__
             try:
                 raise err
             finally:  # a local holding an exception that passes through its own frame is a
-                err = None  # reference cycle (exception -> traceback -> frame -> exception)
+                err.__context__, err.__suppress_context__ = context, suppress
+                err = context = None  # reference cycle (exception -> traceback -> frame -> it)
     return req
 
 

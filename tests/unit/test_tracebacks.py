@@ -1,0 +1,174 @@
+"""An error leaving a body shows the user's frames: the with line, the body's lines, the user's
+functions; no runtime frames and no internal exception as its context."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import traceback
+
+import pytest
+import torch
+
+import nnsight_lite
+from nnsight_lite import NNsight, OutOfOrderError
+
+PACKAGE = os.path.dirname(nnsight_lite.__file__)
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def frames(exc):
+    return [(os.path.basename(f.filename), f.name, f.line) for f in
+            traceback.extract_tb(exc.__traceback__)]
+
+
+def no_runtime_frames(exc):
+    files = [f.filename for f in traceback.extract_tb(exc.__traceback__)]
+    return not any(f.startswith(PACKAGE) or f.endswith("module.py") for f in files)
+
+
+def _bad_matmul(h):
+    return h @ torch.ones(3, 3)
+
+
+class TestBodyErrors:
+    def test_shows_the_with_line_the_body_line_and_the_users_function(self):
+        model = NNsight(_net())
+        with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
+            with model.trace(torch.randn(2, 4)):
+                h = model[0].output
+                _bad_matmul(h)
+        got = [(file, line) for file, _, line in frames(info.value)]
+        assert got == [
+            ("test_tracebacks.py", "with model.trace(torch.randn(2, 4)):"),
+            ("test_tracebacks.py", "_bad_matmul(h)"),
+            ("test_tracebacks.py", "return h @ torch.ones(3, 3)"),
+        ]
+        assert info.value.__context__ is None and info.value.__cause__ is None
+
+    def test_ordering_errors_point_at_the_line_that_asked(self):
+        model = NNsight(_net())
+        with pytest.raises(OutOfOrderError) as info:
+            with model.trace(torch.randn(2, 4)):
+                model[2].output
+                model[0].output
+        assert frames(info.value)[-1][2] == "model[0].output"
+        assert no_runtime_frames(info.value)
+
+    def test_an_error_inside_the_model_shows_the_models_frames(self):
+        """A bad replacement fails in the next layer: that layer's forward is what to see."""
+        model = NNsight(_net())
+        with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
+            with model.trace(torch.randn(2, 4)):
+                model[0].output = torch.zeros(2, 5)
+        got = frames(info.value)
+        assert got[0][2].startswith("with model.trace")
+        assert got[-1][0] == "linear.py"
+        assert not any(f.startswith(PACKAGE) for f in
+                       (e.filename for e in traceback.extract_tb(info.value.__traceback__)))
+
+    def test_invoke_backward_and_nested_bodies(self):
+        model = NNsight(_net())
+        other = NNsight(torch.nn.Linear(4, 4))
+        with pytest.raises(ValueError, match="in invoke 1") as info:
+            with model.trace() as tracer:
+                with tracer.invoke(torch.randn(1, 4)):
+                    pass
+                with tracer.invoke(torch.randn(1, 4)):
+                    raise ValueError("in invoke 1")
+        assert [f[2] for f in frames(info.value)] == [
+            "with model.trace() as tracer:", 'raise ValueError("in invoke 1")']
+        with pytest.raises(KeyError) as info:
+            with model.trace(torch.randn(2, 4)):
+                h = model[0].output
+                loss = model.output.sum()
+                with loss.backward():
+                    h.grad
+                    {}["missing"]
+        assert [f[2] for f in frames(info.value)] == [
+            "with model.trace(torch.randn(2, 4)):", "with loss.backward():", '{}["missing"]']
+        with pytest.raises(ValueError, match="invalid literal") as info:
+            with model.trace(torch.randn(2, 4)):
+                model[0].output
+                with other.trace(torch.randn(1, 4)):
+                    int("x")
+        assert [f[2] for f in frames(info.value)] == [
+            "with model.trace(torch.randn(2, 4)):", "with other.trace(torch.randn(1, 4)):",
+            'int("x")']
+
+    def test_the_users_own_context_is_kept(self):
+        model = NNsight(_net())
+        with pytest.raises(ValueError) as info:
+            with model.trace(torch.randn(2, 4)):
+                try:
+                    {}["k"]
+                except KeyError:
+                    raise ValueError("while handling")
+        assert isinstance(info.value.__context__, KeyError)
+
+    def test_errors_the_runtime_raises_have_no_internal_context(self):
+        model = NNsight(_net())
+        with pytest.raises(nnsight_lite.BatchingError) as info:
+            with model.trace() as tracer:
+                with tracer.invoke(torch.randn(1, 4)):
+                    pass
+                with tracer.invoke(torch.randn(1, 5)):
+                    pass
+        assert info.value.__context__ is None
+        assert no_runtime_frames(info.value)
+
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    from nnsight_lite import NNsight
+    model = NNsight(torch.nn.Linear(4, 4))
+    with model.trace(torch.randn(2, 4)):
+        h = model.output
+        h @ torch.ones(3, 3)
+""")
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_printed_traceback_and_the_debug_switch(tmp_path, full):
+    """Printed by Python itself: short, no SkipBody; NNSIGHT_LITE_FULL_TRACEBACK=1 keeps every
+    frame for debugging the runtime."""
+    script = tmp_path / "user.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, NNSIGHT_LITE_FULL_TRACEBACK="1" if full else "0")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(PACKAGE)).stderr
+    assert out.rstrip().endswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied "
+                                 "(2x4 and 3x3)")
+    assert "SkipBody" not in out and "During handling" not in out
+    if full:
+        assert "interleaver.py" in out
+    else:
+        assert "nnsight_lite" not in out
+        assert out.count('File "') == 2  # the with line and the body line
+        assert len(out.splitlines()) <= 8
+
+
+def test_in_an_ipython_cell_the_cells_lines_are_shown():
+    IPython = pytest.importorskip("IPython")
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython() or IPython.get_ipython()
+    shell.user_ns.update(torch=torch, NNsight=NNsight)
+    shell.run_cell("model = NNsight(torch.nn.Linear(4, 4))")
+    result = shell.run_cell(
+        "with model.trace(torch.randn(2, 4)):\n"
+        "    h = model.output\n"
+        "    h @ torch.ones(3, 3)\n"
+    )
+    exc = result.error_in_exec
+    assert isinstance(exc, RuntimeError)
+    lines = [f.line for f in traceback.extract_tb(exc.__traceback__)
+             if not f.filename.endswith("interactiveshell.py")]
+    assert lines == ["with model.trace(torch.randn(2, 4)):", "h @ torch.ones(3, 3)"]
+    assert exc.__context__ is None
