@@ -46,12 +46,44 @@ class _GeneratorOutput(torch.nn.Module):
     """Identity module called once with generate's result, so bodies can read it as
     ``model.generator.output``. Attached to the model only while a generate runs."""
 
+    def __init__(self):
+        super().__init__()
+        self.streamer = _Streamer()
+
     def forward(self, ids):
         return ids
 
 
+class _Streamer(torch.nn.Module):
+    """``model.generator.streamer``: handed to HF ``generate`` as its ``streamer``, so every
+    ``put`` (the prompt ids, then each step's new tokens) is a call of this identity module that
+    bodies can read (and edit) as ``model.generator.streamer.output``. What it returns goes on
+    to the user's own streamer (``generate(..., streamer=TextIteratorStreamer(tok))``), if any.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.target = None  # the user's streamer, during one generate
+
+    def forward(self, ids):
+        return ids
+
+    def put(self, value) -> None:
+        value = self(value)
+        if self.target is not None:
+            self.target.put(value)
+
+    def end(self) -> None:
+        if self.target is not None:
+            self.target.end()
+
+
 class _GeneratorEnvoy(Envoy):
     """``model.generator``: its ``.output`` exists only inside ``model.generate(...)`` bodies."""
+
+    def __init__(self, module, path, root):
+        super().__init__(module, path, root)
+        self.__dict__["streamer"] = _StreamerEnvoy(module.streamer, f"{path}.streamer", root)
 
     @property
     def output(self):
@@ -60,6 +92,24 @@ class _GeneratorEnvoy(Envoy):
                 "model.generator.output (the generated ids) exists only inside "
                 "`with model.generate(prompt, max_new_tokens=k):`; in a trace read "
                 "model.lm_head.output (the logits) instead"
+            )
+        return Envoy.output.fget(self)
+
+    @output.setter
+    def output(self, value):
+        Envoy.output.fset(self, value)
+
+
+class _StreamerEnvoy(Envoy):
+    """``model.generator.streamer``: the tokens of a ``model.generate(...)`` as they come."""
+
+    @property
+    def output(self):
+        generator = self._root._module._modules.get("generator")
+        if generator is None or generator.streamer is not self._module:
+            raise NNsightError(
+                "model.generator.streamer.output (the tokens as generate produces them) exists "
+                "only inside `with model.generate(prompt, max_new_tokens=k):` bodies"
             )
         return Envoy.output.fget(self)
 
@@ -376,7 +426,18 @@ class Generator(Tracer):
 
     def _forward(self, inter, args: tuple, kwargs: dict):
         model = self.model
-        out = model._run_generate(args, kwargs, self._gen_kwargs)
+        gen = self._gen_kwargs
+        streamer = model._generator_module.streamer
+        # Stream through model.generator.streamer when the user gave a streamer or a body names
+        # it: HF refuses a streamer in some modes (beam search), so not otherwise.
+        user = gen.get("streamer")
+        if user is not None or _names(self._body.code, "streamer"):
+            gen = dict(gen, streamer=streamer)
+            streamer.target = user
+        try:
+            out = model._run_generate(args, kwargs, gen)
+        finally:
+            streamer.target = None
         # The model makes no more calls: bodies looping over steps leave their loops now, so
         # code after the loop can read model.generator.output, served by the call below.
         inter.end_iterations()
@@ -399,6 +460,13 @@ _ARCH_HINTS = {
               "model.transformer.h.",
     "model": "Llama-style models keep the decoder at model.model; GPT-2 at model.transformer.",
 }
+
+
+def _names(code, name: str) -> bool:
+    """Whether ``code`` (or code nested in it: functions, comprehensions) uses ``name``."""
+    if name in code.co_names:
+        return True
+    return any(_names(c, name) for c in code.co_consts if isinstance(c, type(code)))
 
 
 def _on_meta(module: torch.nn.Module) -> bool:
