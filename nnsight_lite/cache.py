@@ -303,13 +303,14 @@ class CacheView(Mapping):
 
     # ---- mapping by path
 
-    def __getitem__(self, key: str) -> Entry:
+    def __getitem__(self, key):
         if isinstance(key, str):
             name = key[len("model."):] if key.startswith("model.") else (
                 "" if key == "model" else _MISSING)
             if name is not _MISSING and name in self._records:
                 return self._records[name]
-        raise KeyError(self._missing(key))
+            raise KeyError(self._missing(key))
+        return _Node(self, self._need_root(), None)[key]  # cache[0]: as model[0] (Sequential)
 
     def __iter__(self):
         return (_key(n) for n in self._records)
@@ -318,6 +319,8 @@ class CacheView(Mapping):
         return len(self._records)
 
     def __contains__(self, key) -> bool:
+        if not isinstance(key, str):
+            return False
         try:
             self[key]
         except KeyError:

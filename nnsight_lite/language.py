@@ -5,6 +5,8 @@
         .generate(prompt, max_new_tokens=k)   HF generate with the body at every step
         .tokenizer          the tokenizer
         .generator.output   the generated ids (inside a generate body, after its loop)
+        .generator.streamer.output   the tokens as generate makes them (prompt, then one a step);
+                            ``generate(..., streamer=TextIteratorStreamer(tok))`` streams them out
         .dispatch()         load the real weights now (otherwise: on first trace/generate/call)
     Generator           the tracer ``model.generate(...)`` returns; ``tracer.result`` = ids
 

@@ -260,6 +260,14 @@ class TestNavigation:
         assert cache.output is cache["model"].output
         assert len(cache.shared) == 2
 
+    def test_integer_index_on_a_sequential(self, seq):
+        """cache[i] on a Sequential's cache is cache.model[i], as model[i] is on the model."""
+        model = NNsight(seq)
+        with model.trace(torch.randn(2, 6)) as tracer:
+            cache = tracer.cache()
+        assert cache[2].output is cache["model.2"].output
+        assert 2 not in cache and "model.2" in cache
+
     def test_missing_names(self, net, x8):
         """A name that is no module, or a module not cached, raises AttributeError; an unknown
         key raises KeyError with near matches."""
@@ -335,3 +343,22 @@ class TestErrors:
 
     def test_is_a_value_error(self):
         assert issubclass(CacheError, ValueError) and issubclass(CacheError, nnsight_lite.NNsightError)
+
+
+def test_readme_cache_example_runs(tmp_path, capsys):
+    """The README's tour example and its "Caching many modules at once" example run as
+    written, one after the other, and print the keys in reached order."""
+    import re
+    import runpy
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    tour = re.search(r"```python\n(.*?)```", readme.split("## A tour", 1)[1], re.S).group(1)
+    section = readme.split("### Caching many modules at once", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    script = tmp_path / "readme_cache.py"
+    script.write_text(tour + code)
+    ns = runpy.run_path(str(script))
+    assert list(ns["cache"].keys()) == ["model.0", "model.1", "model.2", "model"]
+    assert (ns["cache"]["model.1"].output[:, 0] == 0).all()
+    assert "['model.0', 'model.1', 'model.2', 'model']" in capsys.readouterr().out
