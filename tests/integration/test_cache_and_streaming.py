@@ -120,6 +120,33 @@ class TestCacheOnLanguageModels:
             for got, want in zip(entry.output, seen[n]):
                 torch.testing.assert_close(got, want)
 
+    def test_generate_with_edits_at_every_step(self, lm, hf):
+        """A body forcing token 7 through lm_head at every step (tracer.all()): the cache holds
+        the edited logits of each step, and the tokens are those of plain hooks doing the same."""
+        k = 3
+        with lm.generate(PROMPT, max_new_tokens=k, do_sample=False) as tracer:
+            cache = tracer.cache(modules=["lm_head"])
+            for step in tracer.all():
+                lm.lm_head.output[:, -1, 7] = 1e4
+
+        def force(m, a, out):
+            out = out.clone()
+            out[:, -1, 7] = 1e4
+            return out
+
+        enc = lm.tokenizer(PROMPT, return_tensors="pt")
+        h = hf.lm_head.register_forward_hook(force)
+        try:
+            plain, seen = hooked(hf, {"lm_head": hf.lm_head}, lambda: hf.generate(
+                **enc, max_new_tokens=k, do_sample=False, pad_token_id=1))
+        finally:
+            h.remove()
+        assert torch.equal(tracer.result, plain)
+        assert len(cache["model.lm_head"]) == k
+        for got, want in zip(cache["model.lm_head"].output, seen["lm_head"]):
+            torch.testing.assert_close(got, want)
+            assert (got[:, -1, 7] == 1e4).all()
+
     def test_skip_a_block(self, lm, arch):
         """A block skipped with its input as output: the cache holds that value for it, and
         the block's submodules have no entry."""
