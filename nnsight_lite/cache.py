@@ -25,13 +25,12 @@ import torch
 from . import batching
 from .envoy import Envoy, save
 from .errors import CacheError, ModulePathError, OutsideTraceError
-from .mediator import _MISSING, INPUT, OUTPUT
+from .mediator import _MISSING, OUTPUT
 from .workers import _getcurrent, user_location
 
 #: Observers sort after every invoke body in a wait table (bodies are numbered from 0).
 _OBSERVER_BASE = 1 << 40
 _counter = itertools.count()
-_NOT_RECORDED = object()
 
 
 def open_cache(tracer, modules=None, *, device=torch.device("cpu"), dtype=None,
