@@ -23,6 +23,7 @@ from .envoy import Envoy, save
 from .errors import (
     BatchingError,
     BodySyntaxError,
+    CacheError,
     InputError,
     MissedModuleError,
     ModulePathError,
@@ -55,4 +56,5 @@ __all__ = [
     "BodySyntaxError",
     "BatchingError",
     "InputError",
+    "CacheError",
 ]

@@ -18,7 +18,8 @@ the caller unchanged, after the trace has removed its hooks and finished every b
     ├── BodySyntaxError        (SyntaxError)    return / yield / break at the top of a body
     ├── BatchingError          (ValueError)     invoke inputs that cannot form one batch
     ├── InputError             (TypeError, ValueError)  a prompt or option a wrapper cannot use
-    └── InferenceModeSwitchError (RuntimeError) waiting for a value inside torch.inference_mode()
+    ├── InferenceModeSwitchError (RuntimeError) waiting for a value inside torch.inference_mode()
+    └── CacheError             (ValueError)     tracer.cache() where it cannot record everything
 """
 
 from __future__ import annotations
@@ -67,3 +68,8 @@ class InferenceModeSwitchError(NNsightError, RuntimeError):
 
 class GradientError(NNsightError, RuntimeError):
     """A gradient was asked for where none can exist (no grad, not in graph, wrong context)."""
+
+
+class CacheError(NNsightError, ValueError):
+    """``tracer.cache()`` called where it cannot record what it was asked to (after the body
+    already read a model value, in a trace body that only sets up invokes, ...)."""

@@ -5,6 +5,8 @@
         .generate(prompt, max_new_tokens=k)   HF generate with the body at every step
         .tokenizer          the tokenizer
         .generator.output   the generated ids (inside a generate body, after its loop)
+        .generator.streamer.output   the tokens as generate makes them (prompt, then one a step);
+                            ``generate(..., streamer=TextIteratorStreamer(tok))`` streams them out
         .dispatch()         load the real weights now (otherwise: on first trace/generate/call)
     Generator           the tracer ``model.generate(...)`` returns; ``tracer.result`` = ids
 
@@ -33,7 +35,7 @@ from . import prompts
 from .envoy import Envoy
 from .errors import InputError, NNsightError
 from .model import NNsight
-from .tracing import Tracer
+from .tracing import Tracer, _names_read
 
 #: Keyword arguments of ``LanguageModel(...)`` that also apply to loading the config.
 _CONFIG_KWARGS = frozenset({
@@ -48,12 +50,46 @@ class _GeneratorOutput(torch.nn.Module):
 
     attached = False  # True while a generate runs (the module sits in the model's tree then)
 
+    def __init__(self):
+        super().__init__()
+        self.streamer = _Streamer()
+
     def forward(self, ids):
         return ids
 
 
+class _Streamer(torch.nn.Module):
+    """``model.generator.streamer``: handed to HF ``generate`` as its ``streamer``, so every
+    ``put`` (the prompt ids, then each step's new tokens) is a call of this identity module that
+    bodies can read (and edit) as ``model.generator.streamer.output``. What it returns goes on
+    to the user's own streamer (``generate(..., streamer=TextIteratorStreamer(tok))``), if any.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.target = None  # the user's streamer, during one generate
+
+    def forward(self, ids):
+        return ids
+
+    def put(self, value) -> None:
+        value = self(value)
+        if self.target is not None:
+            self.target.put(value)
+
+    def end(self) -> None:
+        if self.target is not None:
+            self.target.end()
+
+
 class _GeneratorEnvoy(Envoy):
     """``model.generator``: its ``.output`` exists only inside ``model.generate(...)`` bodies."""
+
+    def __init__(self, module, path, tree=None, mpath=""):
+        super().__init__(module, path, tree, mpath)
+        streamer = _StreamerEnvoy(module.streamer, f"{path}.streamer")
+        streamer.__dict__["_generator"] = module
+        self.__dict__["streamer"] = streamer
 
     @property
     def output(self):
@@ -62,6 +98,23 @@ class _GeneratorEnvoy(Envoy):
                 "model.generator.output (the generated ids) exists only inside "
                 "`with model.generate(prompt, max_new_tokens=k):`; in a trace read "
                 "model.lm_head.output (the logits) instead"
+            )
+        return Envoy.output.fget(self)
+
+    @output.setter
+    def output(self, value):
+        Envoy.output.fset(self, value)
+
+
+class _StreamerEnvoy(Envoy):
+    """``model.generator.streamer``: the tokens of a ``model.generate(...)`` as they come."""
+
+    @property
+    def output(self):
+        if not self._generator.attached:
+            raise NNsightError(
+                "model.generator.streamer.output (the tokens as generate produces them) exists "
+                "only inside `with model.generate(prompt, max_new_tokens=k):` bodies"
             )
         return Envoy.output.fget(self)
 
@@ -379,7 +432,18 @@ class Generator(Tracer):
 
     def _forward(self, inter, args: tuple, kwargs: dict):
         model = self.model
-        out = model._run_generate(args, kwargs, self._gen_kwargs)
+        gen = self._gen_kwargs
+        streamer = model._generator_module.streamer
+        # Stream through model.generator.streamer when the user gave a streamer or a body names
+        # it: HF refuses a streamer in some modes (beam search), so not otherwise.
+        user = gen.get("streamer")
+        if user is not None or "streamer" in _names_read(self._body.code):
+            gen = dict(gen, streamer=streamer)
+            streamer.target = user
+        try:
+            out = model._run_generate(args, kwargs, gen)
+        finally:
+            streamer.target = None
         # The model makes no more calls: bodies looping over steps leave their loops now, so
         # code after the loop can read model.generator.output, served by the call below.
         inter.end_iterations()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import itertools
 import sys
 
+import torch
+
 from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patches backward)
 from .capture import Scope
 from .context import RUNTIME, BodyContext, body_job
@@ -20,6 +22,8 @@ from .errors import NNsightError
 from .interleaver import Interleaver
 from .mediator import _MISSING, StopTrace, _collecting, current_mediator, wait_for_name
 from .workers import _getcurrent
+
+_CPU = torch.device("cpu")
 
 
 class Tracer(BodyContext):
@@ -112,6 +116,28 @@ class Tracer(BodyContext):
     def _result_envoy(self):
         """The Envoy whose output ``tracer.result`` is: the model's root."""
         return self.model
+
+    def cache(self, modules=None, *, device=_CPU, dtype=None, detach: bool = True,
+              include_output: bool = True, include_inputs: bool = False,
+              non_blocking: bool = False):
+        """Record every module's output (or those in ``modules``) during this trace.
+
+        Example::
+
+            with model.trace(x) as tracer:
+                cache = tracer.cache(modules=[model.layer1, "model.layer2"])
+            cache["model.layer1"].output            # or cache.layer1.output
+
+        Call it in the body before any ``.output``/``.input`` access; inside an invoke it
+        records that invoke's rows. ``device`` (CPU unless None), ``dtype`` and ``detach``
+        apply to what is stored; ``include_inputs=True`` adds ``.inputs``/``.input``. Returns a
+        :class:`~nnsight_lite.cache.CacheView`, already saved. See ``nnsight_lite/cache.py``.
+        """
+        from .cache import open_cache
+
+        return open_cache(self, modules, device=device, dtype=dtype, detach=detach,
+                          include_output=include_output, include_inputs=include_inputs,
+                          non_blocking=non_blocking)
 
     # ---- running
 

@@ -335,3 +335,15 @@ class TestEnvoyClasses:
     def test_value_must_be_an_envoy_class(self):
         with pytest.raises(TypeError, match=r"must be an Envoy subclass"):
             NNsight(Top(), envoys={torch.nn.Linear: dict})
+
+
+def test_cache_navigation_follows_aliases():
+    """`tracer.cache()` keys are real paths; navigation through aliases reaches the same entry."""
+    top = Top()
+    model = NNsight(top, rename={"transformer.h": "layers", "mlp": "ffn"})
+    x = torch.randn(2, 4)
+    with model.trace(x) as tracer:
+        cache = tracer.cache()
+    plain, _ = record(top, ["transformer.h.1.mlp"], x)
+    assert torch.equal(cache.layers[1].ffn.output, plain[("transformer.h.1.mlp", 0)])
+    assert torch.equal(cache["model.transformer.h.1.mlp"].output, cache.layers[1].ffn.output)

@@ -1,0 +1,426 @@
+"""``tracer.cache(...)``: record many modules' outputs (and inputs) during one trace.
+
+    open_cache(tracer, ...)   what ``tracer.cache(...)`` does: attach an observer, return the view
+    CacheView                 the mapping users get: ``cache["model.layer1"].output``,
+                              ``cache.layer1.output``, ``cache.keys()`` in reached order
+    Entry                     one module's record: ``.output``, ``.inputs``, ``.input``, ``len()``
+
+How it is built: the cache is an observer waiting in the same tables a body waits in
+(``slot.wait_in`` / ``slot.wait_out``), for every call of every module it watches. It sorts
+after every invoke (its ``index`` is larger than any invoke's), so it sees each value after all
+bodies have edited it, records its rows, and waits for the module's next call. The counting
+wrapper needs no change for it: a trace without a cache pays nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import itertools
+from bisect import insort
+from collections.abc import Mapping
+
+import torch
+
+from . import batching
+from .envoy import Envoy, save
+from .errors import CacheError, ModulePathError, OutsideTraceError
+from .mediator import _MISSING, OUTPUT
+from .workers import _getcurrent, user_location
+
+#: Observers sort after every invoke body in a wait table (bodies are numbered from 0).
+_OBSERVER_BASE = 1 << 40
+_counter = itertools.count()
+
+
+def open_cache(tracer, modules=None, *, device=torch.device("cpu"), dtype=None,
+               detach: bool = True, include_output: bool = True, include_inputs: bool = False,
+               non_blocking: bool = False) -> "CacheView":
+    """Attach a cache to the body running now (see ``Tracer.cache``); return its view, saved."""
+    med = getattr(_getcurrent(), "mediator", None)
+    if med is None:
+        if getattr(tracer, "_collecting", False):
+            raise CacheError(
+                f"tracer.cache() was called at {user_location()}, in the body of a trace that "
+                "was given no inputs: that body only sets up invokes. Call it inside a `with "
+                "tracer.invoke(...):` block (it records that invoke's rows; an empty "
+                "`with tracer.invoke():` records the whole batch)."
+            )
+        raise OutsideTraceError(
+            f"tracer.cache() was called outside a trace body (at {user_location()}); a cache "
+            "records values while the model runs. Call it inside `with model.trace(...) as "
+            "tracer:` (or `model.generate(...)`), before the body reads or edits a model value."
+        )
+    inter = med.interleaver
+    if inter.root is not tracer.model._module:
+        raise CacheError(
+            f"tracer.cache() at {user_location()} belongs to a trace of "
+            f"{type(tracer.model._module).__name__}, but the body running now is a trace of "
+            f"{type(inter.root).__name__}; call the cache method of that trace's tracer"
+        )
+    if inter.position is not None or inter.finished:
+        # The model's forward has begun (bodies only run again once it serves them a value),
+        # so calls that already happened would be missing from the cache.
+        raise CacheError(
+            f"tracer.cache() was called at {user_location()}, after this body had already "
+            "read or edited a model value, so modules that ran before would be missing. "
+            "Call tracer.cache(...) first in the body, before any .output/.input access."
+        )
+    if not (include_output or include_inputs):
+        raise CacheError(
+            "tracer.cache(include_output=False, include_inputs=False) would record nothing; "
+            "set include_output=True and/or include_inputs=True"
+        )
+    slots = _select(tracer.model, inter, modules)
+    view = CacheView(tracer.model)
+    observer = _Observer(view._records, inter, med.batch, device, dtype, detach, non_blocking)
+    for slot in slots:
+        if include_inputs:
+            observer.wait(slot.wait_in, 0)
+        if include_output:
+            observer.wait(slot.wait_out, 0)
+    view._include_inputs = include_inputs
+    return save(view)
+
+
+def _select(model: Envoy, inter, modules) -> list:
+    """The slots of the modules asked for (every module when ``modules`` is None)."""
+    if modules is None:
+        return list(inter.slots.values())
+    if isinstance(modules, (str, Envoy, torch.nn.Module)):
+        modules = [modules]
+    named = None
+    out = []
+    for m in modules:
+        if isinstance(m, Envoy):
+            module = m._module
+            where = m._path
+        elif isinstance(m, torch.nn.Module):
+            module, where = m, type(m).__name__
+        elif isinstance(m, str):
+            if named is None:
+                named = dict(inter.root.named_modules())
+            module = _by_path(named, m)
+            where = m
+        else:
+            raise TypeError(
+                f"tracer.cache(modules=...) takes Envoys (model.layer1) or path strings "
+                f"(\"model.layer1\"), got {type(m).__name__}"
+            )
+        slot = inter.slots.get(id(module))
+        if slot is None:
+            raise ModulePathError(
+                f"tracer.cache(modules=...): {where} is not a module of the model being traced "
+                f"(at {user_location()})"
+            )
+        if slot not in out:
+            out.append(slot)
+    return out
+
+
+def _by_path(named: dict, path: str) -> torch.nn.Module:
+    """The module at ``path``: ``"model.layer1"`` (a cache key), ``"layer1"`` or ``"h[0]"``."""
+    clean = path.replace("[", ".").replace("]", "").replace("'", "").replace('"', "")
+    tries = []
+    if clean == "model":
+        tries.append("")
+    elif clean.startswith("model."):
+        tries.append(clean[len("model."):])
+    tries.append(clean)
+    for t in tries:
+        if t in named:
+            return named[t]
+    keys = [_key(n) for n in named]
+    near = difflib.get_close_matches(path, keys, n=3, cutoff=0.6)
+    hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+    raise ModulePathError(
+        f"tracer.cache(modules=...): the model has no module at {path!r} (at "
+        f"{user_location()}).{hint} Paths are written like \"model.transformer.h.0\"; "
+        "cache.keys() after a trace lists them."
+    )
+
+
+def _key(name: str) -> str:
+    """A cache key: ``named_modules()`` path with ``model`` in front."""
+    return "model." + name if name else "model"
+
+
+class _Observer:
+    """Waits in the wait tables like a body, but only records; sorts after every body."""
+
+    __slots__ = ("index", "records", "by_slot", "total", "rows", "device", "dtype", "detach",
+                 "non_blocking", "skip_value")
+
+    def __init__(self, records, inter, rows, device, dtype, detach, non_blocking):
+        self.index = _OBSERVER_BASE + next(_counter) % _OBSERVER_BASE
+        self.records = records  # the view's: named_modules() path -> Entry, in reached order
+        self.by_slot = {}  # the same entries by Slot (a slot's path is computed once)
+        self.total = inter.total
+        self.rows = rows  # (start, size) of the invoke that opened it, or None (whole batch)
+        self.device = device
+        self.dtype = dtype
+        self.detach = detach
+        self.non_blocking = non_blocking
+        self.skip_value = _MISSING  # read by the interleaver after serving an input stage
+
+    def wait(self, table: dict, call: int) -> None:
+        waiting = table.get(call)
+        if waiting is None:
+            table[call] = [self]
+        elif waiting[-1].index < self.index:
+            waiting.append(self)
+        else:
+            insort(waiting, self, key=_index)
+
+    def serve(self, key, value, parent_state=None):
+        """Called by the interleaver where a body would be served: record, wait for the next
+        call, hand ``value`` on unchanged."""
+        slot, kind, call = key
+        entry = self.by_slot.get(slot)
+        if entry is None:
+            entry = self.by_slot[slot] = self.records[slot.name] = Entry(slot.module)
+        if kind is OUTPUT:
+            entry._outputs.append(self._take(value))
+            self.wait(slot.wait_out, call + 1)
+        else:
+            args, kwargs = value
+            entry._inputs.append((self._take(tuple(args)), self._take(dict(kwargs))))
+            self.wait(slot.wait_in, call + 1)
+        return value
+
+    def _take(self, value):
+        """``value`` as stored: this invoke's rows, detached, moved and cast as asked."""
+        if isinstance(value, torch.Tensor):
+            rows = self.rows
+            if rows is not None and value.dim() > 0 and value.shape[0] == self.total:
+                value = value[rows[0]:rows[0] + rows[1]]
+            if self.detach:
+                value = value.detach()
+            dtype = self.dtype if self.dtype is not None and value.is_floating_point() else None
+            if self.device is not None or dtype is not None:
+                value = value.to(device=self.device, dtype=dtype, non_blocking=self.non_blocking)
+            return value
+        if isinstance(value, (tuple, list, dict)) or (
+                dataclasses.is_dataclass(value) and not isinstance(value, type)):
+            return batching._map(value, self._take)
+        return value
+
+
+def _index(obj) -> int:
+    return obj.index
+
+
+class Entry:
+    """What a cache recorded for one module.
+
+    Example::
+
+        with model.trace(x) as tracer:
+            cache = tracer.cache(include_inputs=True)
+        e = cache["model.layer1"]
+        e.output, e.inputs, e.input, len(e)     # value, (args, kwargs), first argument, visits
+
+    With one visit (one forward) each attribute is the value itself; with several (a module
+    called more than once, generation steps) it is a list with one value per visit.
+    """
+
+    __slots__ = ("_module", "_outputs", "_inputs")
+
+    def __init__(self, module):
+        self._module = module
+        self._outputs = []
+        self._inputs = []
+
+    @property
+    def output(self):
+        """The module's output (a list of them when it ran more than once)."""
+        return _unwrap(self._outputs)
+
+    @property
+    def inputs(self):
+        """``(args, kwargs)`` of the call (a list of them when it ran more than once); None
+        unless the cache was opened with ``include_inputs=True``."""
+        return _unwrap(self._inputs)
+
+    @property
+    def input(self):
+        """The first argument (or first keyword value) of the call; a list when it ran more
+        than once; None unless ``include_inputs=True``."""
+        firsts = [_first(args, kwargs) for args, kwargs in self._inputs]
+        return _unwrap(firsts)
+
+    def __len__(self) -> int:
+        return max(len(self._outputs), len(self._inputs))
+
+    def __repr__(self) -> str:
+        return f"<cache entry: {type(self._module).__name__}, {len(self)} visit(s)>"
+
+    def __getstate__(self):
+        return {"_outputs": self._outputs, "_inputs": self._inputs}
+
+    def __setstate__(self, state):
+        self._module = None
+        self._outputs = state["_outputs"]
+        self._inputs = state["_inputs"]
+
+
+def _unwrap(values: list):
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else list(values)
+
+
+def _first(args, kwargs):
+    if args:
+        return args[0]
+    if kwargs:
+        return next(iter(kwargs.values()))
+    return None
+
+
+class CacheView(Mapping):
+    """What ``tracer.cache(...)`` returns: module path → :class:`Entry`, in the order the run
+    reached the modules. Already saved: it exists after the trace without ``.save()``.
+
+    Example::
+
+        with model.trace(x) as tracer:
+            cache = tracer.cache()                      # every module's output
+        cache["model.layer1"].output                    # by path (named_modules() + "model.")
+        cache.layer1.output                             # by attribute, as on the model
+        cache.model.layer1.output                       # the same, from the root
+        list(cache.keys())                              # ["model.layer1", ..., "model"]
+
+    Navigation goes through the model's Envoys, so whatever name reaches a module on the model
+    reaches its entry here. It needs the model: a view loaded from a pickle answers by path only.
+    """
+
+    def __init__(self, model: Envoy | None):
+        self._root = model
+        self._records: dict[str, Entry] = {}  # named_modules() path -> Entry
+        self._include_inputs = False
+
+    # ---- mapping by path
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            name = key[len("model."):] if key.startswith("model.") else (
+                "" if key == "model" else _MISSING)
+            if name is not _MISSING and name in self._records:
+                return self._records[name]
+            raise KeyError(self._missing(key))
+        return _Node(self, self._need_root(), None)[key]  # cache[0]: as model[0] (Sequential)
+
+    def __iter__(self):
+        return (_key(n) for n in self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, key) -> bool:
+        if not isinstance(key, str):
+            return False
+        try:
+            self[key]
+        except KeyError:
+            return False
+        return True
+
+    def _missing(self, key) -> str:
+        keys = list(self)
+        near = difflib.get_close_matches(str(key), keys, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+        return (f"{key!r} is not in this cache{hint} (it holds the {len(keys)} module(s) the "
+                "run reached among those asked for; keys look like \"model.layer1\")")
+
+    # ---- navigation by attribute
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Node(self, self._need_root(), None).__getattr__(name, from_root=True)
+
+    def _need_root(self) -> Envoy:
+        if self._root is None:
+            raise AttributeError(
+                "this cache was loaded without its model, so attribute navigation cannot work; "
+                "index it by path (cache[\"model.layer1\"]) or set cache._root = model"
+            )
+        return self._root
+
+    def _entry_for(self, envoy: Envoy) -> Entry:
+        module = envoy._module
+        for name, entry in self._records.items():
+            if entry._module is module:
+                return entry
+        raise AttributeError(
+            f"{envoy._path} is not in this cache: the run did not reach it, or it was not "
+            "among the modules= asked for"
+        )
+
+    def __repr__(self) -> str:
+        return f"<CacheView of {len(self)} module(s): {', '.join(list(self)[:6])}" + (
+            ", ...>" if len(self) > 6 else ">")
+
+    def __getstate__(self):
+        return {"_records": self._records, "_include_inputs": self._include_inputs}
+
+    def __setstate__(self, state):
+        self._root = None
+        self._records = state["_records"]
+        self._include_inputs = state["_include_inputs"]
+
+
+class _Node:
+    """A place in the model tree reached from a cache: ``cache.transformer.h[0]``."""
+
+    __slots__ = ("_view", "_envoy", "_alt")
+
+    def __init__(self, view: CacheView, envoy: Envoy, alt: Envoy | None):
+        self._view = view
+        self._envoy = envoy
+        self._alt = alt  # the root, when ``cache.model`` reached a child named "model"
+
+    def __getattr__(self, name: str, from_root: bool = False):
+        if name in ("output", "inputs", "input"):
+            return getattr(self._view._entry_for(self._envoy), name)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        envoy = self._envoy
+        if from_root and name == "model":  # `cache.model...`: the root, as in the keys
+            child = _child(envoy, name)
+            return _Node(self._view, child if child is not None else envoy,
+                         envoy if child is not None else None)
+        child = _child(envoy, name)
+        if child is None and self._alt is not None:
+            child = _child(self._alt, name)
+        if child is None:
+            raise AttributeError(
+                f"{envoy._path} has no submodule {name!r} to look up in the cache; "
+                f"cache keys: {', '.join(list(self._view)[:8])}"
+            )
+        return _Node(self._view, child, None)
+
+    def __getitem__(self, key):
+        child = self._envoy[key]
+        if not isinstance(child, Envoy):
+            raise TypeError(f"{self._envoy._path}[{key!r}] is not a module")
+        return _Node(self._view, child, None)
+
+    def __len__(self) -> int:
+        return len(self._view._entry_for(self._envoy))
+
+    def __repr__(self) -> str:
+        return f"<cache node {self._envoy._path}>"
+
+
+def _child(envoy: Envoy, name: str):
+    """The child Envoy ``envoy.<name>`` (aliases included), or None if it is not a module."""
+    try:
+        got = getattr(envoy, name)
+    except AttributeError:
+        return None
+    return got if isinstance(got, Envoy) else None
+
+
+__all__ = ["CacheView", "Entry", "open_cache"]

@@ -1,0 +1,364 @@
+"""``tracer.cache(...)``: every (or the chosen) module's outputs and inputs recorded during a
+trace. Ground truth: plain forward hooks and pre-hooks on the same model and input."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+import nnsight_lite
+from nnsight_lite import CacheError, ModulePathError, NNsight, OutsideTraceError
+from tests.helpers import record
+
+
+def reached(model: torch.nn.Module, *args, inputs=False, **kwargs):
+    """Plain hooks on every module: (names in the order first reached, {name: [outputs]},
+    {name: [(args, kwargs)]}). With ``inputs``, a module is reached at its input stage."""
+    order, outs, ins, handles = [], {}, {}, []
+    for name, mod in model.named_modules():
+        def pre(m, a, k, name=name):
+            ins.setdefault(name, []).append((a, k))
+            if inputs and name not in order:
+                order.append(name)
+
+        def post(m, a, o, name=name):
+            outs.setdefault(name, []).append(o)
+            if name not in order:
+                order.append(name)
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post))
+    try:
+        model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return order, outs, ins
+
+
+def key(name):
+    return "model." + name if name else "model"
+
+
+def assert_same(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    else:
+        assert a == b
+
+
+class TestRecords:
+    """What a cache holds equals what plain hooks see, in the order the run reaches it."""
+
+    def test_every_module_equals_plain_hooks(self, net, x8):
+        """With no modules=, every module the run reaches has an entry whose output equals the
+        plain hook's; a module called twice has a list of both; an unused one is absent."""
+        model = NNsight(net)
+        with model.trace(x8) as tracer:
+            cache = tracer.cache()
+        order, outs, _ = reached(net, x8)
+        assert list(cache.keys()) == [key(n) for n in order]
+        assert "model.unused" not in cache
+        for name, values in outs.items():
+            entry = cache[key(name)]
+            assert len(entry) == len(values)
+            assert_same(entry.output, values[0] if len(values) == 1 else values)
+        assert isinstance(cache["model.shared"].output, list)
+        assert isinstance(cache["model.block"].output, tuple)
+        assert cache["model.layers.0"].inputs is None and cache["model.layers.0"].input is None
+
+    def test_include_inputs(self, net, x8):
+        """include_inputs=True adds (args, kwargs) per call and .input (the first argument);
+        with inputs the run reaches a parent before its children."""
+        model = NNsight(net)
+        with model.trace(x8, scale=3.0) as tracer:
+            cache = tracer.cache(include_inputs=True)
+        order, _, ins = reached(net, x8, inputs=True, scale=3.0)
+        assert list(cache.keys()) == [key(n) for n in order]
+        for name, values in ins.items():
+            entry = cache[key(name)]
+            got = entry.inputs if len(values) > 1 else [entry.inputs]
+            assert_same([(tuple(a), dict(k)) for a, k in got], [(a, k) for a, k in values])
+        assert torch.equal(cache["model"].input, x8)
+        assert cache["model"].inputs[1] == {"scale": 3.0}
+        torch.testing.assert_close(cache["model.layers.1"].input, ins["layers.1"][0][0][0])
+        assert len(cache["model.shared"].input) == 2
+
+    def test_inputs_only(self, seq):
+        """include_output=False, include_inputs=True: inputs, and .output is None."""
+        x = torch.randn(2, 6)
+        model = NNsight(seq)
+        with model.trace(x) as tracer:
+            cache = tracer.cache(include_output=False, include_inputs=True)
+        assert cache["model.0"].output is None
+        assert torch.equal(cache["model.0"].input, x)
+
+    def test_values_after_an_edit_earlier_in_the_body(self, net, x8):
+        """The cache sees each value after the body's edits: an in-place zero and a
+        replacement show in the edited modules and in everything computed from them."""
+        model = NNsight(net)
+        with model.trace(x8) as tracer:
+            cache = tracer.cache(modules=["model.layers.0", "model.layers.1", "model.head"])
+            model.layers[0].output[:, :2] = 0
+            model.layers[1].output = model.layers[1].output * 3
+
+        def zero(call, out):
+            out = out.clone()
+            out[:, :2] = 0
+            return out
+
+        seen, _ = record(net, ["layers.0", "layers.1", "head"], x8,
+                         edits={"layers.0": zero, "layers.1": lambda c, o: o * 3})
+        for name in ("layers.0", "layers.1", "head"):
+            torch.testing.assert_close(cache[key(name)].output, seen[(name, 0)])
+        assert (cache["model.layers.0"].output[:, :2] == 0).all()
+
+    def test_subset_by_envoy_and_string_in_reached_order(self, net, x8):
+        """modules= takes Envoys and path strings (with or without "model.", with [i]); the
+        keys come in the order the run reaches them, not the order given."""
+        model = NNsight(net)
+        with model.trace(x8) as tracer:
+            cache = tracer.cache(modules=[model.head, "layers[2]", model.layers[0], "model.inp"])
+        assert list(cache.keys()) == ["model.inp", "model.layers.0", "model.layers.2",
+                                      "model.head"]
+        seen, _ = record(net, ["inp", "layers.0", "layers.2", "head"], x8)
+        for name in ("inp", "layers.0", "layers.2", "head"):
+            torch.testing.assert_close(cache[key(name)].output, seen[(name, 0)])
+
+    def test_stop_ends_the_record(self, seq):
+        """After tracer.stop() the modules that did not run are not in the cache."""
+        model = NNsight(seq)
+        with model.trace(torch.randn(2, 6)) as tracer:
+            cache = tracer.cache()
+            model[1].output.save()
+            tracer.stop()
+        assert "model.0" in cache
+        assert "model.2" not in cache and "model.3" not in cache and "model" not in cache
+
+    def test_two_caches_and_the_next_trace(self, seq):
+        """Two caches in one body both record; a later trace leaves them as they were and a
+        trace without a cache records nothing anywhere."""
+        x = torch.randn(2, 6)
+        model = NNsight(seq)
+        with model.trace(x) as tracer:
+            a = tracer.cache(modules=[model[0]])
+            b = tracer.cache(modules=["model.0", "model.3"])
+        with model.trace(x):
+            out = model.output.save()
+        assert list(a.keys()) == ["model.0"] and list(b.keys()) == ["model.0", "model.3"]
+        assert len(a["model.0"]) == len(b["model.0"]) == 1
+        assert torch.equal(a["model.0"].output, b["model.0"].output)
+        torch.testing.assert_close(b["model.3"].output, out)
+
+
+class TestStorage:
+    """device, dtype and detach apply to what is stored."""
+
+    def test_defaults_detach_and_keep_on_cpu(self, seq):
+        """By default values are detached (no grad) and on the CPU."""
+        model = NNsight(seq)
+        with model.trace(torch.randn(2, 6)) as tracer:
+            cache = tracer.cache()
+        out = cache["model.1"].output
+        assert not out.requires_grad and out.device.type == "cpu"
+
+    def test_dtype_casts_floats_only(self, net, x8):
+        """dtype= casts floating-point tensors; other values are kept as they are."""
+        model = NNsight(net)
+        with model.trace(x8, scale=2.0) as tracer:
+            cache = tracer.cache(dtype=torch.float64, include_inputs=True)
+        assert cache["model.head"].output.dtype == torch.float64
+        assert cache["model"].inputs[1] == {"scale": 2.0}
+
+    def test_gradients_through_an_undetached_cache(self, seq):
+        """detach=False, device=None: the stored values are the graph's, and backward from
+        one fills the parameters' grads exactly as from the plain forward's activation."""
+        x = torch.randn(2, 6)
+        model = NNsight(seq)
+        with model.trace(x) as tracer:
+            cache = tracer.cache(modules=[model[1]], detach=False, device=None)
+        cache["model.1"].output.sum().backward()
+        got = seq[0].weight.grad.clone()
+        seq.zero_grad()
+        seq[1](seq[0](x)).sum().backward()
+        torch.testing.assert_close(got, seq[0].weight.grad)
+        seq.zero_grad()
+
+
+class TestInvokes:
+    """A cache opened in an invoke holds that invoke's rows; an empty invoke's, the batch."""
+
+    def test_rows_per_invoke_and_whole_batch(self, net):
+        """Invoke 1's cache equals the plain forward of invoke 1's input alone; the cache of
+        an invoke with no input equals the plain forward of the whole batch."""
+        torch.manual_seed(3)
+        a, b = torch.randn(2, 8), torch.randn(3, 8)
+        model = NNsight(net)
+        with model.trace() as tracer:
+            with tracer.invoke(a):
+                pass
+            with tracer.invoke(b):
+                mine = tracer.cache(modules=[model.layers[1], model.head])
+            with tracer.invoke():
+                whole = tracer.cache(modules=[model.head])
+        seen_b, _ = record(net, ["layers.1", "head"], b)
+        seen_ab, _ = record(net, ["head"], torch.cat([a, b]))
+        torch.testing.assert_close(mine["model.layers.1"].output, seen_b[("layers.1", 0)])
+        torch.testing.assert_close(mine["model.head"].output, seen_b[("head", 0)])
+        torch.testing.assert_close(whole["model.head"].output, seen_ab[("head", 0)])
+
+    def test_sees_edits_of_other_invokes(self, seq):
+        """An empty invoke's cache sees what the earlier invokes wrote into their rows."""
+        x = torch.randn(4, 6)
+        model = NNsight(seq)
+        with model.trace() as tracer:
+            with tracer.invoke(x[:2]):
+                model[0].output[:] = 0
+            with tracer.invoke(x[2:]):
+                pass
+            with tracer.invoke():
+                cache = tracer.cache(modules=["model.0"])
+        out = cache["model.0"].output
+        assert (out[:2] == 0).all() and torch.equal(out[2:], seq[0](x[2:]).detach())
+
+
+class TestSkip:
+    def test_skipped_module_holds_the_skip_value_and_its_children_are_absent(self, net, x8):
+        """A module skipped with .skip(value) has value as its output in the cache; its
+        submodules did not run, so they have no entry."""
+        model = NNsight(net)
+        with model.trace(x8) as tracer:
+            cache = tracer.cache()
+            h = model.shared.output
+            model.block.skip((h, h.sum(-1)))
+        assert "model.block.lin" not in cache
+        out, total = cache["model.block"].output
+        torch.testing.assert_close(out, cache["model.shared"].output[0])
+        torch.testing.assert_close(total, out.sum(-1))
+
+
+class TestNavigation:
+    """cache.<path> reaches the same entries as cache["model.<path>"]."""
+
+    def test_attributes_and_indices(self, net, x8):
+        model = NNsight(net)
+        with model.trace(x8) as tracer:
+            cache = tracer.cache(include_inputs=True)
+        assert cache.layers[1].output is cache["model.layers.1"].output
+        assert cache.model.layers[1].output is cache["model.layers.1"].output
+        assert cache.block.lin.input is cache["model.block.lin"].input
+        assert cache.output is cache["model"].output
+        assert len(cache.shared) == 2
+
+    def test_integer_index_on_a_sequential(self, seq):
+        """cache[i] on a Sequential's cache is cache.model[i], as model[i] is on the model."""
+        model = NNsight(seq)
+        with model.trace(torch.randn(2, 6)) as tracer:
+            cache = tracer.cache()
+        assert cache[2].output is cache["model.2"].output
+        assert 2 not in cache and "model.2" in cache
+
+    def test_missing_names(self, net, x8):
+        """A name that is no module, or a module not cached, raises AttributeError; an unknown
+        key raises KeyError with near matches."""
+        model = NNsight(net)
+        with model.trace(x8) as tracer:
+            cache = tracer.cache(modules=[model.head])
+        with pytest.raises(AttributeError, match="has no submodule 'haed'"):
+            cache.haed
+        with pytest.raises(AttributeError, match=r"model.inp is not in this cache"):
+            cache.inp.output
+        with pytest.raises(KeyError, match=r"did you mean .{0,3}model\.head"):
+            cache["model.haed"]
+
+    def test_survives_without_save_and_pickles(self, seq):
+        """The view exists after the trace without .save(); pickled, it keeps its entries
+        by path (the model is not pickled) and refuses navigation with a clear error."""
+        model = NNsight(seq)
+        with model.trace(torch.randn(2, 6)) as tracer:
+            cache = tracer.cache()
+        back = pickle.loads(pickle.dumps(cache))
+        assert list(back.keys()) == list(cache.keys())
+        assert torch.equal(back["model.2"].output, cache["model.2"].output)
+        with pytest.raises(AttributeError, match="loaded without its model"):
+            back.output
+
+
+class TestErrors:
+    def test_after_a_model_value_was_read(self, seq):
+        """tracer.cache() after the body read a module value raises CacheError saying to call
+        it first."""
+        model = NNsight(seq)
+        with pytest.raises(CacheError, match=r"after this body had already read or edited a "
+                                             r"model value.*Call tracer.cache\(...\) first"):
+            with model.trace(torch.randn(2, 6)) as tracer:
+                model[0].output.save()
+                tracer.cache()
+
+    def test_outside_the_body(self, seq):
+        model = NNsight(seq)
+        with model.trace(torch.randn(2, 6)) as tracer:
+            pass
+        with pytest.raises(OutsideTraceError, match=r"tracer.cache\(\) was called outside a "
+                                                    r"trace body .*test_cache.py"):
+            tracer.cache()
+
+    def test_in_a_trace_body_that_only_sets_up_invokes(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(CacheError, match=r"only sets up invokes.*empty `with "
+                                             r"tracer.invoke\(\):` records the whole batch"):
+            with model.trace() as tracer:
+                tracer.cache()
+                with tracer.invoke(torch.randn(2, 6)):
+                    pass
+
+    def test_unknown_path_and_foreign_module(self, seq):
+        model = NNsight(seq)
+        other = NNsight(torch.nn.Linear(6, 6))
+        with pytest.raises(ModulePathError, match=r"no module at 'model.7'"):
+            with model.trace(torch.randn(2, 6)) as tracer:
+                tracer.cache(modules=["model.7"])
+        with pytest.raises(ModulePathError, match="not a module of the model being traced"):
+            with model.trace(torch.randn(2, 6)) as tracer:
+                tracer.cache(modules=[other])
+        with pytest.raises(TypeError, match="takes Envoys"):
+            with model.trace(torch.randn(2, 6)) as tracer:
+                tracer.cache(modules=[3])
+
+    def test_nothing_to_record(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(CacheError, match="would record nothing"):
+            with model.trace(torch.randn(2, 6)) as tracer:
+                tracer.cache(include_output=False)
+
+    def test_is_a_value_error(self):
+        assert issubclass(CacheError, ValueError) and issubclass(CacheError, nnsight_lite.NNsightError)
+
+
+def test_readme_cache_example_runs(tmp_path, capsys):
+    """The README's tour example and its "Caching many modules at once" example run as
+    written, one after the other, and print the keys in reached order."""
+    import re
+    import runpy
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    tour = re.search(r"```python\n(.*?)```", readme.split("## A tour", 1)[1], re.S).group(1)
+    section = readme.split("### Caching many modules at once", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    script = tmp_path / "readme_cache.py"
+    script.write_text(tour + code)
+    ns = runpy.run_path(str(script))
+    assert list(ns["cache"].keys()) == ["model.0", "model.1", "model.2", "model"]
+    assert (ns["cache"]["model.1"].output[:, 0] == 0).all()
+    assert "['model.0', 'model.1', 'model.2', 'model']" in capsys.readouterr().out
