@@ -4,6 +4,7 @@
     LanguageModel  a Hugging Face causal LM + tokenizer: prompts in, ``.generate(...)``
     Envoy          the module proxy inside bodies: .output .input .inputs .next() .skip()
     save(obj)      keep a non-tensor object after the trace (tensors have ``.save()``)
+    apply, CONFIG  older nnsight names (a plain call; settings such as ``CONFIG.APP.DEBUG``)
     errors         the exception types (all derive from NNsightError)
 
 Example::
@@ -19,6 +20,7 @@ Example::
 """
 
 from . import errors
+from .compat import CONFIG, apply
 from .envoy import Envoy, save
 from .errors import (
     BatchingError,
@@ -46,6 +48,8 @@ __all__ = [
     "Tracer",
     "Invoker",
     "save",
+    "apply",
+    "CONFIG",
     "errors",
     "NNsightError",
     "OutOfOrderError",

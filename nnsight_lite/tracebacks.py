@@ -1,8 +1,9 @@
 """What a user sees of an exception that leaves a body context: their own frames.
 
     user_traceback(tb)     ``tb`` without the runtime's frames (see below)
-    clean(exc)             rewrite ``exc``'s traceback and context in place (unless FULL)
-    FULL                   ``NNSIGHT_LITE_FULL_TRACEBACK=1``: keep every frame, for debugging
+    clean(exc)             rewrite ``exc``'s traceback and context in place, unless
+                           ``CONFIG.APP.DEBUG`` (or ``NNSIGHT_LITE_FULL_TRACEBACK=1`` at import)
+                           asks for every frame, for debugging the runtime
 
 An error in a body travels: the body's frames, the worker greenlet that ran it, the model's
 forward that handed it a value, the interleaver, the ``with`` statement's ``__exit__``. Of
@@ -22,9 +23,8 @@ from __future__ import annotations
 import os
 import types
 
+from .compat import CONFIG
 from .workers import _PACKAGE_DIR, _worker_main
-
-FULL = os.environ.get("NNSIGHT_LITE_FULL_TRACEBACK", "") not in ("", "0")
 
 _WORKER = _worker_main.__code__
 _PLUMBING = frozenset({"_wrapped_call_impl", "_call_impl", "decorate_context"})
@@ -68,5 +68,5 @@ def clean(exc: BaseException, skip_type) -> None:
     from its context."""
     if isinstance(exc.__context__, skip_type):
         exc.__context__ = None
-    if not FULL:
+    if not CONFIG.APP.DEBUG:
         exc.__traceback__ = user_traceback(exc.__traceback__)

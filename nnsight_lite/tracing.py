@@ -21,7 +21,7 @@ from .context import RUNTIME, BodyContext, body_job
 from .errors import NNsightError
 from .interleaver import Interleaver
 from .mediator import _MISSING, StopTrace, _collecting, current_mediator, wait_for_name
-from .workers import _getcurrent
+from .workers import _getcurrent, user_location
 
 _CPU = torch.device("cpu")
 
@@ -84,6 +84,11 @@ class Tracer(BodyContext):
     def all(self):
         """Loop over every call of the modules a body reads: ``for step in tracer.all():``."""
         return _iterate(slice(None))
+
+    def log(self, *values) -> None:
+        """Older nnsight code's way to print from a body; bodies run eagerly here, so this is
+        ``print(*values)``."""
+        print(*values)
 
     @property
     def result(self):
@@ -354,7 +359,33 @@ def _iterate(item):
             itertools.count(start, step)
     else:
         steps = iter(list(item))
-    return _iteration(med, steps)
+    return _Steps(_iteration(med, steps), item)
+
+
+class _Steps:
+    """What ``tracer.iter[...]`` / ``tracer.all()`` return: iterate it with ``for``. Used as a
+    ``with`` block (nnsight's older form) it raises an error showing the ``for`` form."""
+
+    __slots__ = ("_steps", "_item")
+
+    def __init__(self, steps, item):
+        self._steps = steps
+        self._item = item
+
+    def __iter__(self):
+        return self._steps
+
+    def __enter__(self):
+        item = self._item
+        what = "tracer.all()" if item == slice(None) else "tracer.iter[...]"
+        raise NNsightError(
+            f"`with {what}:` is nnsight's older block form; in nnsight_lite (and nnsight 0.5+) "
+            f"loop over the steps instead:\n    for step in {what}:\n        ...  # runs once per "
+            f"step, `step` is the step index (at {user_location()})"
+        )
+
+    def __exit__(self, *exc):  # pragma: no cover - __enter__ always raises
+        return False
 
 
 def _iteration(med, steps):

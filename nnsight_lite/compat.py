@@ -1,0 +1,68 @@
+"""Names older nnsight code reaches for, kept so it runs after changing the import.
+
+    apply(fn, *args, **kwargs)   ``fn(*args, **kwargs)``: bodies run eagerly, no graph node needed
+    CONFIG                       nnsight's settings object: ``CONFIG.APP.DEBUG`` (full tracebacks
+                                 from bodies, like ``NNSIGHT_LITE_FULL_TRACEBACK=1``); the
+                                 remote-API settings are stored and otherwise unused here
+
+Example::
+
+    import nnsight_lite as nnsight
+    with model.trace(x):
+        n = nnsight.apply(len, model.layer.output)     # the same as len(...)
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def apply(fn, *args, **kwargs):
+    """Call ``fn(*args, **kwargs)`` now. nnsight's graph-era bodies needed ``apply`` to put a
+    call into the intervention graph; here bodies are ordinary Python, so it is a plain call.
+
+    Example::
+
+        with model.trace(x):
+            top = nnsight_lite.apply(torch.topk, model.output, 3).indices.save()
+    """
+    return fn(*args, **kwargs)
+
+
+class _Section:
+    """A settings namespace: attributes read and set like a plain object."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
+        return f"{type(self).__name__}({inner})"
+
+
+class _Config:
+    """``nnsight_lite.CONFIG``: the fields nnsight code commonly reads or sets.
+
+    Example::
+
+        nnsight_lite.CONFIG.APP.DEBUG = True    # tracebacks from bodies keep the runtime frames
+    """
+
+    def __init__(self):
+        full = os.environ.get("NNSIGHT_LITE_FULL_TRACEBACK", "") not in ("", "0")
+        self.APP = _Section(DEBUG=full, REMOTE_LOGGING=False, PYMOUNT=True, CROSS_INVOKER=True,
+                            TRACE_CACHING=False, GLOBAL_TRACING=False)
+        self.API = _Section(HOST="", SSL=True, APIKEY=None, FORMAT="json")
+
+    def set_default_api_key(self, key: str) -> None:
+        """Stored for code that sets it; nnsight_lite sends nothing to NDIF."""
+        self.API.APIKEY = key
+
+    def save(self) -> None:
+        """nnsight writes its config file here; nnsight_lite keeps settings in memory only."""
+
+    def __repr__(self) -> str:
+        return f"CONFIG(APP={self.APP!r}, API={self.API!r})"
+
+
+CONFIG = _Config()
