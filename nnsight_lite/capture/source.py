@@ -80,8 +80,8 @@ def find_with(frame: FrameType, what: str):
     filename = code.co_filename
     lineno = frame.f_lineno
     tried = []  # (where the candidate came from, why it is not the running code)
-    for origin, lines in _candidates(frame, filename):
-        why = _why_not(lines, frame, filename, lineno)
+    for origin, lines, proof in _candidates(frame, filename):
+        why = _why_not(lines, frame, filename, lineno, proof)
         if not isinstance(why, str):
             return why, lines
         tried.append((origin, why))
@@ -91,18 +91,18 @@ def find_with(frame: FrameType, what: str):
 def _candidates(frame: FrameType, filename: str):
     lines = linecache.getlines(filename, frame.f_globals)
     if lines:
-        yield "linecache", lines
+        yield "linecache", lines, None
     if lines and not (filename.startswith("<") and filename.endswith(">")):
         linecache.checkcache(filename)  # an older copy of a file since edited: read it again
         fresh = linecache.getlines(filename, frame.f_globals)
         if fresh and fresh != lines:
-            yield "file", fresh
+            yield "file", fresh, None
     if filename == "<string>":
         program = _dash_c_program()
         if program is not None:
-            yield "-c", program.splitlines(True)
-    for cell in _magic_cells(frame):
-        yield "magic", cell.splitlines(True)
+            yield "-c", program.splitlines(True), None
+    for cell, proof in _magic_cells(frame):
+        yield "magic", cell.splitlines(True), proof
 
 
 def _dash_c_program():
@@ -130,8 +130,10 @@ def _dash_c_program():
 
 
 def _magic_cells(frame: FrameType):
-    """The cell text of each enclosing IPython cell magic (``%%time``, ``%%timeit``...), raw and
-    as IPython transforms it, for code those magics compiled under a name of their own."""
+    """``(text, proof)`` for each enclosing IPython cell magic (``%%time``, ``%%timeit``...):
+    the cell as IPython transformed it and raw, for code those magics compiled under a name of
+    their own. ``proof`` is the parsed cell the magic compiled ``frame``'s code from, when that
+    is known (``%%timeit``), else None."""
     if "IPython" not in sys.modules:
         return
     f = frame.f_back
@@ -142,23 +144,33 @@ def _magic_cells(frame: FrameType):
             f_locals = f.f_locals
             cell = f_locals.get("cell")
             if isinstance(cell, str):
+                proof = None
+                compiled = f_locals.get("code")
+                if (isinstance(compiled, CodeType) and frame.f_code in compiled.co_consts
+                        and isinstance(f_locals.get("ast_stmt"), ast.Module)):
+                    # %%timeit wraps the parsed cell (ast_stmt) in a function template whose
+                    # own statements share line numbers with the cell's: prove by the tree
+                    proof = f_locals["ast_stmt"]
                 expr = f_locals.get("expr")
                 if isinstance(expr, str):
-                    yield expr
+                    yield expr, proof
                 try:
                     from IPython import get_ipython
 
                     shell = get_ipython()
                     if shell is not None:
-                        yield shell.transform_cell(cell)
+                        yield shell.transform_cell(cell), proof
                 except Exception:  # pragma: no cover - IPython's own failure: try the raw cell
                     pass
-                yield cell
+                yield cell, proof
         f = f.f_back
 
 
-def _why_not(lines, frame: FrameType, filename: str, lineno: int):
-    """The with node when ``lines`` are the running code at ``lineno``; else a reason (str)."""
+def _why_not(lines, frame: FrameType, filename: str, lineno: int, proof=None):
+    """The with node when ``lines`` are the running code at ``lineno``; else a reason (str).
+
+    ``proof``: the tree the frame's code was compiled from, when known: then the parsed
+    ``lines`` must equal it, line numbers included."""
     source = "".join(lines)
     tree = _parse(source, filename)
     if isinstance(tree, SyntaxError):
@@ -168,6 +180,10 @@ def _why_not(lines, frame: FrameType, filename: str, lineno: int):
         return f"it has no `with` statement at line {lineno}"
     if node.body[0].lineno == node.lineno:  # refused later with its own error (body.py)
         return node
+    if proof is not None:
+        if ast.dump(tree, include_attributes=True) == ast.dump(proof, include_attributes=True):
+            return node
+        return "it is not the cell the magic compiled"
     code = frame.f_code
     end = node.end_lineno or node.lineno
     running = code_signature(code, node.lineno, end)
@@ -354,6 +370,7 @@ def _unavailable(filename: str, lineno: int, what: str, tried) -> SourceUnavaila
             "(before 3.13), piped through stdin or passed to exec() as a plain string leaves "
             "none. Put the code in a file, a Jupyter/IPython cell or a `python -c` program, or "
             "compile it with a filename registered in linecache."
+            + "".join(f" (The {_GUESSES[origin]} was tried: {why}.)" for origin, why in tried)
         )
     reasons = "; ".join(f"{origin}: {why}" for origin, why in tried)
     if filename.startswith("<ipython-input") or _is_ipykernel_cell(filename):
@@ -371,6 +388,9 @@ def _unavailable(filename: str, lineno: int, what: str, tried) -> SourceUnavaila
         head + f"the source found for it is not the code that is running ({reasons}), so its "
         f"body cannot be compiled from it without running a different block. {todo}"
     )
+
+
+_GUESSES = {"-c": "`python -c` program", "magic": "cell of the enclosing IPython magic"}
 
 
 def _is_ipykernel_cell(filename: str) -> bool:
