@@ -14,7 +14,7 @@ from types import CodeType, FrameType
 from ..errors import BodySyntaxError
 from .rewrite import assigned_names, body_syntax_error, rewrite_body
 from .skip import Skipper, skip_line
-from .source import find_with
+from .source import find_with, remember_source
 
 _CACHE_SIZE = 1024
 
@@ -79,6 +79,7 @@ def _compile_body(frame: FrameType, what: str) -> Body:
         code = compile(module, filename, "exec", dont_inherit=True)
     except SyntaxError as exc:
         raise body_syntax_error(exc, what, filename, lineno) from None
+    remember_source(code, lines)
     trivial = all(
         isinstance(st, ast.Pass) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))
         for st in node.body

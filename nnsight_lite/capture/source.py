@@ -5,11 +5,12 @@
 
 Where the source comes from, in order (the first that proves to be the running code wins):
 
-1. ``linecache`` (files, modules, Jupyter/IPython cells, anything registered there), as cached;
-2. the file on disk again, if linecache held an older copy of it (a module reloaded after an
+1. for code compiled from a body, the source that body was compiled from (already proven);
+2. ``linecache`` (files, modules, Jupyter/IPython cells, anything registered there), as cached;
+3. the file on disk again, if linecache held an older copy of it (a module reloaded after an
    edit);
-3. the ``python -c`` program, for code named ``<string>`` in a ``-c`` run (``sys.orig_argv``);
-4. the cell of an enclosing IPython cell magic (``%%time``, ``%%timeit``: they compile the
+4. the ``python -c`` program, for code named ``<string>`` in a ``-c`` run (``sys.orig_argv``);
+5. the cell of an enclosing IPython cell magic (``%%time``, ``%%timeit``: they compile the
    cell under names such as ``<timed exec>`` that linecache does not know).
 
 The proof: the with-statement found in the candidate source is compiled on its own and its
@@ -33,6 +34,7 @@ import dis
 import linecache
 import os
 import sys
+import weakref
 from collections import OrderedDict
 from types import CodeType, FrameType
 
@@ -88,7 +90,25 @@ def find_with(frame: FrameType, what: str):
     raise _unavailable(filename, lineno, what, tried)
 
 
+#: compiled body (and every function in it) -> the proven source lines it was compiled from:
+#: a with-block nested in a body runs in a worker greenlet, whose frames do not lead back to
+#: the caller's (an IPython magic's cell, say), so the body remembers its source.
+_body_sources: "weakref.WeakKeyDictionary[CodeType, list]" = weakref.WeakKeyDictionary()
+
+
+def remember_source(code: CodeType, lines: list) -> None:
+    """Record that ``code`` (a compiled body) and the code objects in it come from ``lines``."""
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        _body_sources[c] = lines
+        stack.extend(k for k in c.co_consts if isinstance(k, CodeType))
+
+
 def _candidates(frame: FrameType, filename: str):
+    remembered = _body_sources.get(frame.f_code)
+    if remembered is not None:
+        yield "body", remembered, None
     lines = linecache.getlines(filename, frame.f_globals)
     if lines:
         yield "linecache", lines, None
