@@ -34,6 +34,7 @@ import dis
 import linecache
 import os
 import sys
+import warnings
 import weakref
 from collections import OrderedDict
 from types import CodeType, FrameType
@@ -55,7 +56,9 @@ def _parse(source: str, filename: str):
     tree = _trees.get(key)
     if tree is None:
         try:
-            tree = ast.parse(source, filename)
+            with warnings.catch_warnings():  # the import already showed the user any
+                warnings.simplefilter("ignore")  # SyntaxWarning (say, an invalid escape)
+                tree = ast.parse(source, filename)
         except SyntaxError as exc:
             tree = exc
         _trees[key] = tree
@@ -210,7 +213,8 @@ def _why_not(lines, frame: FrameType, filename: str, lineno: int, proof=None):
     flags = code.co_flags & _FUTURE_FLAGS
     rewritten = any(n.startswith("__nnsight_lite_") for n in code.co_names)
     try:
-        for compiled in _compiled_variants(tree, source, node, filename, flags, rewritten):
+        for compiled in _compiled_variants(tree, source, node, filename, flags, rewritten,
+                                           frame.f_globals):
             if compiled is not None and code_signature(compiled, node.lineno, end) == running:
                 return node
     except SyntaxError:  # `return`, `yield`, `break` in the body: body.py refuses it clearly
@@ -219,13 +223,15 @@ def _why_not(lines, frame: FrameType, filename: str, lineno: int, proof=None):
 
 
 def _compiled_variants(tree, source: str, node: ast.With, filename: str, flags: int,
-                       rewritten: bool):
+                       rewritten: bool, frame_globals):
     """Code objects compiled from the source that hold the with-statement ``node``: first in
     its place in the whole source (the scope it sits in decides how names are loaded), then on
     its own at module level and inside a function (code compiled from a template, such as
-    ``%%timeit``'s), then with the body rewrites (a with-block inside a compiled body). Each is
+    ``%%timeit``'s), in its place after pytest's assert rewriting (a test module), then with the body rewrites (a with-block inside a compiled body). Each is
     the same source text, so a match with any of them proves the running code is that text."""
     yield _in_place(tree, source, node, filename, flags)
+    if "_pytest.assertion.rewrite" in sys.modules and "@pytest_ar" in frame_globals:
+        yield _in_place(tree, source, node, filename, flags, _pytest_rewrite)
     yield _compile([node], filename, flags)
     yield _compile([_function_around(node)], filename, flags, inner=True)
     if rewritten:
@@ -234,7 +240,9 @@ def _compiled_variants(tree, source: str, node: ast.With, filename: str, flags: 
 
 def _compile(stmts, filename: str, flags: int, inner: bool = False):
     module = ast.fix_missing_locations(ast.Module(body=stmts, type_ignores=[]))
-    code = compile(module, filename, "exec", flags=flags, dont_inherit=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = compile(module, filename, "exec", flags=flags, dont_inherit=True)
     return next(c for c in code.co_consts if isinstance(c, CodeType)) if inner else code
 
 
@@ -250,15 +258,18 @@ def _function_around(node: ast.With) -> ast.FunctionDef:
 _whole: OrderedDict = OrderedDict()  # (filename, source, flags) -> the source compiled whole
 
 
-def _in_place(tree, source: str, node: ast.With, filename: str, flags: int):
-    """The code object that holds ``node`` when the whole source is compiled (None if it does
-    not compile whole, e.g. a cell with top-level ``await``)."""
-    key = (filename, source, flags)
+def _in_place(tree, source: str, node: ast.With, filename: str, flags: int, transform=None):
+    """The code object that holds ``node`` when the whole source is compiled (after
+    ``transform(tree)``, if given); None if it does not compile whole (top-level ``await``)."""
+    key = (filename, source, flags, transform)
     whole = _whole.get(key)
     if whole is None:
         try:
-            whole = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
-        except SyntaxError:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                whole = compile(tree if transform is None else transform(tree, source, filename),
+                                filename, "exec", flags=flags, dont_inherit=True)
+        except Exception:  # SyntaxError, or pytest's rewriting failing: no such variant
             whole = False
         _whole[key] = whole
         if len(_whole) > _TREES:
@@ -276,6 +287,15 @@ def _in_place(tree, source: str, node: ast.With, filename: str, flags: int):
             return c
         stack.extend(k for k in c.co_consts if isinstance(k, CodeType))
     return None
+
+
+def _pytest_rewrite(tree, source: str, filename: str):
+    """``tree`` as pytest's assertion rewriting compiles a test module (asserts expanded)."""
+    from _pytest.assertion.rewrite import rewrite_asserts
+
+    tree = copy.deepcopy(tree)
+    rewrite_asserts(tree, source.encode(), filename)
+    return tree
 
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)

@@ -166,6 +166,21 @@ class TestModuleEditedAfterImport:
         torch.testing.assert_close(mod.second(model, x), seq[2](seq[1](seq[0](x))))
 
 
+def test_assert_inside_a_body_in_a_pytest_module(seq):
+    """pytest rewrites the asserts of test modules (this one): a body containing an `assert`
+    is still recognised as the running code, and its assert still checks."""
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    with model.trace(x):
+        h = model[0].output.save()
+        assert h.shape == (2, 6), "the body's assert runs"
+    torch.testing.assert_close(h, seq[0](x))
+    with pytest.raises(AssertionError, match="the body's assert runs"):
+        with model.trace(x):
+            h = model[0].output.save()
+            assert h.shape == (3, 6), "the body's assert runs"
+
+
 class TestExecSharingFilename:
     def test_other_source_at_the_same_name_and_line_is_refused(self, seq):
         """exec of a string compiled under a filename whose linecache entry is other code with
