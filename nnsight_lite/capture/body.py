@@ -1,0 +1,91 @@
+"""A with-statement's body, compiled once per call site.
+
+    find_body(frame, what)   the compiled body of the with-statement ``frame`` is entering (cached)
+    Body                     that compiled body and where it came from
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+from collections import OrderedDict
+from types import CodeType, FrameType
+
+from ..errors import BodySyntaxError
+from .rewrite import assigned_names, body_syntax_error, rewrite_body
+from .skip import Skipper, skip_line
+from .source import find_with, remember_source
+
+_CACHE_SIZE = 1024
+
+
+class Body:
+    """A compiled with-block body and where it came from."""
+
+    __slots__ = ("code", "filename", "lineno", "end_lineno", "trivial", "body_line", "assigned",
+                 "skipper", "skip_error")
+
+    def __init__(self, code: CodeType, filename: str, lineno: int, end_lineno: int, trivial: bool,
+                 body_line: int):
+        self.code = code
+        self.body_line = body_line  # the first line of the body (the header may span several)
+        self.assigned: tuple = ()  # every name the body may bind (a superset is fine)
+        # A body of only `pass`/`...`/strings: harmless to run inline, and CPython may emit
+        # its line outside the with-block's handler, so it is not skipped.
+        self.trivial = trivial
+        self.filename = filename
+        self.lineno = lineno
+        self.end_lineno = end_lineno
+        self.skipper = Skipper(body_line)  # the line tracer that skips this body
+        self.skip_error: "str | None" = None  # why the line tracer cannot skip it (see skip_line)
+
+
+_bodies: OrderedDict = OrderedDict()
+
+
+def find_body(frame: FrameType, what: str = "trace") -> Body:
+    """Return the compiled body of the ``with`` statement ``frame`` is executing now.
+
+    The first time a call site is reached its source is found and proven to be the running code
+    (source.py); after that the answer is a dict look-up."""
+    code = frame.f_code
+    # Keyed by identity: equal code objects from different files or cells compare equal.
+    key = (id(code), frame.f_lasti)
+    hit = _bodies.get(key)
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    body = _compile_body(frame, what)
+    _bodies[key] = (code, body)
+    if len(_bodies) > _CACHE_SIZE:
+        _bodies.popitem(last=False)
+    return body
+
+
+def _compile_body(frame: FrameType, what: str) -> Body:
+    filename = frame.f_code.co_filename
+    lineno = frame.f_lineno
+    node, lines = find_with(frame, what)
+    if node.body[0].lineno == node.lineno:
+        raise BodySyntaxError(
+            f"the body of the `with ...{what}(...)` block at {filename}:{lineno} starts on the "
+            "`with` line itself; put it on its own indented lines",
+            (filename, lineno, 1, lines[lineno - 1] if lineno <= len(lines) else ""),
+        )
+    # the parsed tree is shared by the call sites of one source: rewrite a copy
+    stmts = rewrite_body(copy.deepcopy(node.body))
+    module = ast.Module(body=stmts, type_ignores=[])
+    ast.fix_missing_locations(module)
+    try:
+        code = compile(module, filename, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise body_syntax_error(exc, what, filename, lineno) from None
+    remember_source(code, lines)
+    trivial = all(
+        isinstance(st, ast.Pass) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))
+        for st in node.body
+    )
+    line, skip_error = skip_line(node, what, filename)
+    body = Body(code, filename, node.lineno, node.end_lineno or node.lineno, trivial, line)
+    body.skip_error = skip_error
+    body.assigned = assigned_names(node.body)
+    return body

@@ -1,0 +1,141 @@
+"""The namespace a captured body runs in, and binding its saved names back in the caller.
+
+    Scope                  the body's own names, falling back to the caller's
+    caller_scope(frame)    a fresh Scope for a body whose with-statement sits in ``frame``
+    write_back(frame, d)   put saved names back into the caller's scope
+"""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import sys
+from collections import ChainMap
+from types import FrameType
+
+from .rewrite import (GRAD_NAME, INLINE_NAME, ITER_END_NAME, NAME_NAME, SAVE_NAME, SET_GRAD_NAME,
+                      IterationEnd)
+
+_PY313 = sys.version_info >= (3, 13)
+_CO_OPTIMIZED = 0x0001
+
+
+class Scope(dict):
+    """The namespace a body runs in.
+
+    The body's own assignments live in this dict; names it does not define are looked up, at
+    the moment they are read, in the caller's locals, then its globals, then builtins. Each
+    invoke of a trace runs in a ``child`` of the trace's Scope, so it sees the trace body's
+    names and what other invokes publish there, while its own bindings stay its own.
+    """
+
+    __slots__ = ("_locals", "_globals", "_builtins", "_on_missing", "keep_all", "_base")
+
+    def __init__(self, caller_locals, caller_globals, runtime: dict, on_missing):
+        super().__init__()
+        self.keep_all = False  # a session's scope: traces inside it bind back every name
+        self._on_missing = on_missing
+        self._locals = caller_locals
+        self._globals = caller_globals
+        b = caller_globals.get("__builtins__", builtins)
+        self._builtins = b if isinstance(b, dict) else vars(b)
+        # the entries every body needs: builtins, and what the body rewrites call
+        self._base = {"__builtins__": b, ITER_END_NAME: IterationEnd, **runtime}
+        dict.update(self, self._base)
+
+    def __missing__(self, name):
+        try:
+            return self._locals[name]
+        except KeyError:
+            pass
+        if self._globals is not self._locals:
+            try:
+                return self._globals[name]
+            except KeyError:
+                pass
+        try:
+            return self._builtins[name]
+        except KeyError:
+            pass
+        return self._on_missing(self, name)  # an earlier invoke may still bind it
+
+    def child(self, names: dict) -> "Scope":
+        """A Scope holding ``names`` whose lookups fall back to this one."""
+        c = Scope.__new__(Scope)
+        c.keep_all = False
+        c._on_missing = self._on_missing
+        c._locals = self
+        c._globals = self._globals
+        c._builtins = self._builtins
+        c._base = self._base
+        dict.update(c, self._base)
+        dict.update(c, names)
+        return c
+
+    def reset(self) -> None:
+        """Drop every name the body bound (and the tensors they hold); keep the base entries,
+        so functions defined in the body still find builtins and the runtime names."""
+        dict.clear(self)
+        dict.update(self, self._base)
+
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is bound here or in an enclosing Scope (another body's names)."""
+        scope = self
+        while isinstance(scope, Scope):
+            if dict.__contains__(scope, name):
+                return True
+            scope = scope._locals
+        return False
+
+    def own_items(self):
+        """The names the body itself bound (not the two internal entries)."""
+        for k, v in dict.items(self):
+            if k not in _INTERNAL:
+                yield k, v
+
+
+_INTERNAL = frozenset({"__builtins__", ITER_END_NAME, SAVE_NAME, GRAD_NAME, SET_GRAD_NAME,
+                       INLINE_NAME, NAME_NAME})
+
+
+def caller_scope(frame: FrameType, runtime: dict, on_missing) -> Scope:
+    """A fresh Scope for a body whose ``with`` statement sits in ``frame``.
+
+    ``runtime`` maps the names the body rewrites use (SAVE_NAME, GRAD_NAME, SET_GRAD_NAME) to
+    their functions; ``on_missing(scope, name)`` is asked for names found nowhere.
+    """
+    f_locals = frame.f_locals
+    code = frame.f_code
+    if code.co_freevars and not (code.co_flags & _CO_OPTIMIZED) and frame.f_back is not None:
+        # A class body: its free variables (the enclosing function's locals) are not in
+        # f_locals, but the frame that runs the class statement holds them.
+        outer = frame.f_back.f_locals
+        free = {n: outer[n] for n in code.co_freevars if n in outer}
+        f_locals = ChainMap(f_locals, free)
+    return Scope(f_locals, frame.f_globals, runtime, on_missing)
+
+
+_locals_to_fast = None
+if not _PY313:  # pragma: no cover - exercised on 3.10-3.12
+    _locals_to_fast = ctypes.pythonapi.PyFrame_LocalsToFast
+    _locals_to_fast.argtypes = (ctypes.py_object, ctypes.c_int)
+    _locals_to_fast.restype = None
+
+
+def write_back(frame: FrameType, values: dict) -> None:
+    """Bind ``values`` in the scope of ``frame`` (module, class body, function, or a Scope)."""
+    f_locals = frame.f_locals
+    if isinstance(f_locals, Scope) or not (frame.f_code.co_flags & _CO_OPTIMIZED):
+        f_locals.update(values)
+        return
+    if _PY313:  # PEP 667: f_locals is a write-through proxy
+        for name, value in values.items():
+            f_locals[name] = value
+        return
+    if values:
+        f_locals.update(values)
+        _locals_to_fast(frame, 0)
+    # Before 3.13, f_locals of a function frame is a snapshot dict cached on the frame: left
+    # filled it would keep every local (saved tensors included) alive after the user deletes
+    # them. Emptying it is safe; the next f_locals access fills it again.
+    f_locals.clear()

@@ -1,0 +1,437 @@
+"""Finding a with-statement's source, and proving it is the code that is running.
+
+    find_with(frame, what)   the ``ast.With`` the frame is entering and the lines it came from
+    code_signature(code, lo, hi)   what the code on lines lo..hi does, independent of scope kind
+
+Where the source comes from, in order (the first that proves to be the running code wins):
+
+1. for code compiled from a body, the source that body was compiled from (already proven);
+2. ``linecache`` (files, modules, Jupyter/IPython cells, anything registered there), as cached;
+3. the file on disk again, if linecache held an older copy of it (a module reloaded after an
+   edit);
+4. the ``python -c`` program, for code named ``<string>`` in a ``-c`` run (``sys.orig_argv``);
+5. the cell of an enclosing IPython cell magic (``%%time``, ``%%timeit``: they compile the
+   cell under names such as ``<timed exec>`` that linecache does not know).
+
+The proof: the with-statement found in the candidate source is compiled on its own and its
+bytecode compared with the instructions on the same lines of the frame's code object. The
+comparison is exact in what runs (operations, names, attributes, constants, nested functions)
+and ignores only what the enclosing scope changes (a name loaded as a global, a local or a
+closure cell; jump offsets; the implicit ``return None``), so a body written in a module, a
+function, a class body or a template (``%%timeit`` wraps the cell in a function) is recognised,
+and so is one whose enclosing function an import hook rewrote elsewhere (pytest's asserts).
+A file edited after import, or an ``exec`` string that shares a filename and line with other
+source, fails it and gives ``SourceUnavailableError``; nothing else is ever compiled. The check
+runs once per call site (bodies are cached per code object and instruction, see body.py).
+"""
+
+from __future__ import annotations
+
+import __future__
+import ast
+import copy
+import dis
+import linecache
+import os
+import sys
+import warnings
+import weakref
+from collections import OrderedDict
+from types import CodeType, FrameType
+
+from ..errors import SourceUnavailableError
+from .rewrite import rewrite_body
+
+#: the future-feature bits of ``co_flags``, which compile() takes as flags
+_FUTURE_FLAGS = 0
+for _name in __future__.all_feature_names:
+    _FUTURE_FLAGS |= getattr(__future__, _name).compiler_flag
+
+_trees: OrderedDict = OrderedDict()  # (filename, source) -> parsed tree (or the SyntaxError)
+_TREES = 32
+
+
+def _parse(source: str, filename: str):
+    key = (filename, source)
+    tree = _trees.get(key)
+    if tree is None:
+        try:
+            with warnings.catch_warnings():  # the import already showed the user any
+                warnings.simplefilter("ignore")  # SyntaxWarning (say, an invalid escape)
+                tree = ast.parse(source, filename)
+        except SyntaxError as exc:
+            tree = exc
+        _trees[key] = tree
+        if len(_trees) > _TREES:
+            _trees.popitem(last=False)
+    return tree
+
+
+def with_at(tree: ast.AST, lineno: int):
+    """The innermost ``with`` statement whose header spans ``lineno``."""
+    best = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With) and node.lineno <= lineno:
+            header_end = max(node.lineno, node.body[0].lineno - 1)
+            if lineno <= header_end and (best is None or node.lineno >= best.lineno):
+                best = node
+    return best
+
+
+def find_with(frame: FrameType, what: str):
+    """The ``ast.With`` statement ``frame`` is entering, and the source lines it was found in,
+    proven to be the code that runs (see the module docstring); else SourceUnavailableError."""
+    code = frame.f_code
+    filename = code.co_filename
+    lineno = frame.f_lineno
+    tried = []  # (where the candidate came from, why it is not the running code)
+    for origin, lines, proof in _candidates(frame, filename):
+        why = _why_not(lines, frame, filename, lineno, proof)
+        if not isinstance(why, str):
+            return why, lines
+        tried.append((origin, why))
+    raise _unavailable(filename, lineno, what, tried)
+
+
+#: compiled body (and every function in it) -> the proven source lines it was compiled from:
+#: a with-block nested in a body runs in a worker greenlet, whose frames do not lead back to
+#: the caller's (an IPython magic's cell, say), so the body remembers its source.
+_body_sources: "weakref.WeakKeyDictionary[CodeType, list]" = weakref.WeakKeyDictionary()
+
+
+def remember_source(code: CodeType, lines: list) -> None:
+    """Record that ``code`` (a compiled body) and the code objects in it come from ``lines``."""
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        _body_sources[c] = lines
+        stack.extend(k for k in c.co_consts if isinstance(k, CodeType))
+
+
+def _candidates(frame: FrameType, filename: str):
+    remembered = _body_sources.get(frame.f_code)
+    if remembered is not None:
+        yield "body", remembered, None
+    lines = linecache.getlines(filename, frame.f_globals)
+    if lines:
+        yield "linecache", lines, None
+    if lines and not (filename.startswith("<") and filename.endswith(">")):
+        linecache.checkcache(filename)  # an older copy of a file since edited: read it again
+        fresh = linecache.getlines(filename, frame.f_globals)
+        if fresh and fresh != lines:
+            yield "file", fresh, None
+    if filename == "<string>":
+        program = _dash_c_program()
+        if program is not None:
+            yield "-c", program.splitlines(True), None
+    for cell, proof in _magic_cells(frame):
+        yield "magic", cell.splitlines(True), proof
+
+
+def _dash_c_program():
+    """The program of ``python -c PROGRAM``, or None when this process was not started so."""
+    argv = getattr(sys, "orig_argv", None)  # 3.10+
+    if not argv or sys.argv[:1] != ["-c"]:
+        return None
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-c":
+            return next(args, None)
+        if not arg.startswith("-") or arg in ("-", "--") or arg.startswith("--"):
+            return None
+        letters = arg[1:]
+        for i, letter in enumerate(letters):
+            if letter in "WX":  # an option taking a value: the rest of the word, or the next one
+                if i == len(letters) - 1:
+                    next(args, None)
+                break
+            if letter == "c":
+                return letters[i + 1:] or next(args, None)
+            if letter == "m":
+                return None
+    return None
+
+
+def _magic_cells(frame: FrameType):
+    """``(text, proof)`` for each enclosing IPython cell magic (``%%time``, ``%%timeit``...):
+    the cell as IPython transformed it and raw, for code those magics compiled under a name of
+    their own. ``proof`` is the parsed cell the magic compiled ``frame``'s code from, when that
+    is known (``%%timeit``), else None."""
+    if "IPython" not in sys.modules:
+        return
+    f = frame.f_back
+    depth = 0
+    while f is not None and depth < 64:
+        depth += 1
+        if "IPython" in f.f_code.co_filename and "cell" in f.f_code.co_varnames:
+            f_locals = f.f_locals
+            cell = f_locals.get("cell")
+            if isinstance(cell, str):
+                proof = None
+                compiled = f_locals.get("code")
+                if (isinstance(compiled, CodeType) and frame.f_code in compiled.co_consts
+                        and isinstance(f_locals.get("ast_stmt"), ast.Module)):
+                    # %%timeit wraps the parsed cell (ast_stmt) in a function template whose
+                    # own statements share line numbers with the cell's: prove by the tree
+                    proof = f_locals["ast_stmt"]
+                expr = f_locals.get("expr")
+                if isinstance(expr, str):
+                    yield expr, proof
+                try:
+                    from IPython import get_ipython
+
+                    shell = get_ipython()
+                    if shell is not None:
+                        yield shell.transform_cell(cell), proof
+                except Exception:  # pragma: no cover - IPython's own failure: try the raw cell
+                    pass
+                yield cell, proof
+        f = f.f_back
+
+
+def _why_not(lines, frame: FrameType, filename: str, lineno: int, proof=None):
+    """The with node when ``lines`` are the running code at ``lineno``; else a reason (str).
+
+    ``proof``: the tree the frame's code was compiled from, when known: then the parsed
+    ``lines`` must equal it, line numbers included."""
+    source = "".join(lines)
+    tree = _parse(source, filename)
+    if isinstance(tree, SyntaxError):
+        return f"it does not parse ({tree.msg}, line {tree.lineno})"
+    node = with_at(tree, lineno)
+    if node is None:
+        return f"it has no `with` statement at line {lineno}"
+    if node.body[0].lineno == node.lineno:  # refused later with its own error (body.py)
+        return node
+    if proof is not None:
+        if ast.dump(tree, include_attributes=True) == ast.dump(proof, include_attributes=True):
+            return node
+        return "it is not the cell the magic compiled"
+    code = frame.f_code
+    end = node.end_lineno or node.lineno
+    running = code_signature(code, node.lineno, end)
+    flags = code.co_flags & _FUTURE_FLAGS
+    rewritten = any(n.startswith("__nnsight_lite_") for n in code.co_names)
+    try:
+        for compiled in _compiled_variants(tree, source, node, filename, flags, rewritten,
+                                           frame.f_globals):
+            if compiled is not None and code_signature(compiled, node.lineno, end) == running:
+                return node
+    except SyntaxError:  # `return`, `yield`, `break` in the body: body.py refuses it clearly
+        return node
+    return f"its `with` statement at lines {node.lineno}-{end} is not the code that is running"
+
+
+def _compiled_variants(tree, source: str, node: ast.With, filename: str, flags: int,
+                       rewritten: bool, frame_globals):
+    """Code objects compiled from the source that hold the with-statement ``node``: first in
+    its place in the whole source (the scope it sits in decides how names are loaded), then on
+    its own at module level and inside a function (code compiled from a template, such as
+    ``%%timeit``'s), in its place after pytest's assert rewriting (a test module), then with the body rewrites (a with-block inside a compiled body). Each is
+    the same source text, so a match with any of them proves the running code is that text."""
+    yield _in_place(tree, source, node, filename, flags)
+    if "_pytest.assertion.rewrite" in sys.modules and "@pytest_ar" in frame_globals:
+        yield _in_place(tree, source, node, filename, flags, _pytest_rewrite)
+    yield _compile([node], filename, flags)
+    yield _compile([_function_around(node)], filename, flags, inner=True)
+    if rewritten:
+        yield _compile(rewrite_body(copy.deepcopy([node])), filename, flags)
+
+
+def _compile(stmts, filename: str, flags: int, inner: bool = False):
+    module = ast.fix_missing_locations(ast.Module(body=stmts, type_ignores=[]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = compile(module, filename, "exec", flags=flags, dont_inherit=True)
+    return next(c for c in code.co_consts if isinstance(c, CodeType)) if inner else code
+
+
+def _function_around(node: ast.With) -> ast.FunctionDef:
+    args = ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[],
+                         kwarg=None, defaults=[])
+    func = ast.FunctionDef(name="_", args=args, body=[node], decorator_list=[], returns=None)
+    if sys.version_info >= (3, 12):
+        func.type_params = []
+    return ast.copy_location(func, node)
+
+
+_whole: OrderedDict = OrderedDict()  # (filename, source, flags) -> the source compiled whole
+
+
+def _in_place(tree, source: str, node: ast.With, filename: str, flags: int, transform=None):
+    """The code object that holds ``node`` when the whole source is compiled (after
+    ``transform(tree)``, if given); None if it does not compile whole (top-level ``await``)."""
+    key = (filename, source, flags, transform)
+    whole = _whole.get(key)
+    if whole is None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                whole = compile(tree if transform is None else transform(tree, source, filename),
+                                filename, "exec", flags=flags, dont_inherit=True)
+        except Exception:  # SyntaxError, or pytest's rewriting failing: no such variant
+            whole = False
+        _whole[key] = whole
+        if len(_whole) > _TREES:
+            _whole.popitem(last=False)
+    if whole is False:
+        return None
+    scope = _enclosing_scope(tree, node)
+    if scope is None:
+        return whole
+    firsts = {scope.lineno, *(d.lineno for d in scope.decorator_list)}
+    stack = [whole]
+    while stack:
+        c = stack.pop()
+        if c.co_name == scope.name and c.co_firstlineno in firsts:
+            return c
+        stack.extend(k for k in c.co_consts if isinstance(k, CodeType))
+    return None
+
+
+def _pytest_rewrite(tree, source: str, filename: str):
+    """``tree`` as pytest's assertion rewriting compiles a test module (asserts expanded)."""
+    from _pytest.assertion.rewrite import rewrite_asserts
+
+    tree = copy.deepcopy(tree)
+    rewrite_asserts(tree, source.encode(), filename)
+    return tree
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _enclosing_scope(tree, node):
+    """The innermost function or class statement around ``node`` (None: module level)."""
+    best = None
+    for n in ast.walk(tree):
+        if (isinstance(n, _SCOPES) and n.lineno <= node.lineno
+                and (n.end_lineno or n.lineno) >= (node.end_lineno or node.lineno)
+                and n is not node and (best is None or n.lineno >= best.lineno)):
+            if any(child is node for child in ast.walk(n)):
+                best = n
+    return best
+
+
+# --------------------------------------------------------------------------- signatures
+
+_NAME_OPS = {
+    "LOAD_NAME": "load", "LOAD_GLOBAL": "load", "LOAD_FAST": "load", "LOAD_FAST_CHECK": "load",
+    "LOAD_DEREF": "load", "LOAD_CLASSDEREF": "load", "LOAD_FROM_DICT_OR_DEREF": "load",
+    "LOAD_FROM_DICT_OR_GLOBALS": "load", "LOAD_FAST_AND_CLEAR": "load", "LOAD_FAST_BORROW": "load",
+    "LOAD_FAST_LOAD_FAST": "load", "LOAD_FAST_BORROW_LOAD_FAST_BORROW": "load",
+    "STORE_NAME": "store", "STORE_GLOBAL": "store", "STORE_FAST": "store", "STORE_DEREF": "store",
+    "STORE_FAST_STORE_FAST": "store", "STORE_FAST_MAYBE_NULL": "store",
+    "DELETE_NAME": "del", "DELETE_GLOBAL": "del", "DELETE_FAST": "del", "DELETE_DEREF": "del",
+}
+#: what the enclosing scope or the code's layout decides, not what the statement does
+_IGNORED = frozenset({
+    "NOP", "EXTENDED_ARG", "RESUME", "CACHE", "PUSH_NULL", "LOAD_CLOSURE", "COPY_FREE_VARS",
+    "MAKE_CELL", "RETURN_VALUE", "RETURN_CONST", "JUMP_FORWARD", "JUMP_BACKWARD", "JUMP",
+    "JUMP_NO_INTERRUPT", "JUMP_ABSOLUTE", "JUMP_BACKWARD_NO_INTERRUPT", "NOT_TAKEN",
+    "POP_ITER", "SETUP_ANNOTATIONS",
+})
+_CLOSURE_FLAG = 0x08
+
+
+def code_signature(code: CodeType, lo: int = 0, hi: int = sys.maxsize) -> tuple:
+    """What the instructions of ``code`` on lines ``lo``..``hi`` do, as a comparable tuple.
+
+    A name is recorded as loaded, stored or deleted, not how (global, local, cell); nested code
+    objects by their own full signature; jumps, the implicit ``return None`` and the building of
+    closures (which depend on the enclosing scope) are left out."""
+    line_of = {}
+    for start, stop, line in code.co_lines():
+        for off in range(start, stop, 2):
+            line_of[off] = line
+    out = []
+    closure = False
+    for ins in dis.get_instructions(code):
+        line = line_of.get(ins.offset)
+        if line is None or not lo <= line <= hi:
+            continue
+        op = ins.opname
+        if op == "LOAD_CLOSURE":
+            closure = True
+            continue
+        if op in _IGNORED:
+            if op == "RETURN_VALUE" and out and out[-1] == ("const", "NoneType", "None"):
+                out.pop()
+            continue
+        if op == "BUILD_TUPLE" and closure:  # the tuple of a nested function's closure cells
+            closure = False
+            continue
+        closure = False
+        kind = _NAME_OPS.get(op)
+        if kind is not None:
+            names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+            if names == ("__qualname__",) and kind == "store" and out and out[-1][0] == "const":
+                out[-1] = ("qualname",)  # a class body's qualified name: the scope decides it
+            out.extend((kind, n) for n in names)
+        elif op == "MAKE_FUNCTION":
+            if len(out) > 1 and out[-2][0] == "code" and out[-1][1] == "str":
+                out[-1] = ("qualname",)  # 3.10 loads the qualified name, which the scope decides
+            flags = ins.arg or 0
+            out.append((op, flags & ~_CLOSURE_FLAG))
+        elif op == "LOAD_METHOD":  # 3.11 uses LOAD_ATTR on names bound by a module's imports
+            out.append(("LOAD_ATTR", ins.argval))
+        elif op == "SET_FUNCTION_ATTRIBUTE":
+            if ins.arg != _CLOSURE_FLAG:
+                out.append((op, ins.arg))
+        elif op in ("LOAD_CONST", "LOAD_SMALL_INT", "RETURN_CONST"):
+            out.append(_const(ins.argval))
+        elif op in ("PRINT_EXPR",):  # an expression statement compiled in 'single' mode
+            out.append(("POP_TOP", None))
+        elif op == "CALL_INTRINSIC_1" and ins.argrepr == "INTRINSIC_PRINT":
+            out.append(("POP_TOP", None))
+        elif ins.opcode in dis.hasjrel or ins.opcode in dis.hasjabs:
+            out.append((op, None))
+        else:
+            out.append((op, ins.argval if isinstance(ins.argval, (str, int, tuple)) else
+                        ins.argrepr))
+    return tuple(out)
+
+
+def _const(value) -> tuple:
+    if isinstance(value, CodeType):
+        return ("code", value.co_name, code_signature(value))
+    return ("const", type(value).__name__, repr(value))
+
+
+# --------------------------------------------------------------------------- the error
+
+
+def _unavailable(filename: str, lineno: int, what: str, tried) -> SourceUnavailableError:
+    head = f"cannot run this `with ...{what}(...)` block at {filename}:{lineno}: "
+    if all(origin in ("-c", "magic") for origin, _ in tried):  # only guesses, none right
+        return SourceUnavailableError(
+            head + f"there is no source for {filename!r}. nnsight_lite reads the block's source "
+            "to run it interleaved with the model, and code typed into a bare Python REPL "
+            "(before 3.13), piped through stdin or passed to exec() as a plain string leaves "
+            "none. Put the code in a file, a Jupyter/IPython cell or a `python -c` program, or "
+            "compile it with a filename registered in linecache."
+            + "".join(f" (The {_GUESSES[origin]} was tried: {why}.)" for origin, why in tried)
+        )
+    reasons = "; ".join(f"{origin}: {why}" for origin, why in tried)
+    if filename.startswith("<ipython-input") or _is_ipykernel_cell(filename):
+        todo = ("The cell was changed after this code was compiled from it: re-run the cell "
+                "(and the cells that define the functions it calls).")
+    elif os.path.exists(filename):
+        todo = ("The file was edited after the module was imported: reload the module "
+                "(importlib.reload, or restart the program/kernel) so the running code and the "
+                "file agree.")
+    else:
+        todo = (f"Other source is registered under the same name {filename!r}: compile each "
+                "piece of code under a filename of its own (and register that source in "
+                "linecache), or put the code in a file.")
+    return SourceUnavailableError(
+        head + f"the source found for it is not the code that is running ({reasons}), so its "
+        f"body cannot be compiled from it without running a different block. {todo}"
+    )
+
+
+_GUESSES = {"-c": "`python -c` program", "magic": "cell of the enclosing IPython magic"}
+
+
+def _is_ipykernel_cell(filename: str) -> bool:
+    return "ipykernel_" in filename and filename.endswith(".py")
