@@ -44,7 +44,8 @@ from .workers import _getcurrent, user_location
 
 HELPER = "__nnsight_op__"
 # Calls that read the calling frame: routed through a helper they would read the wrong one.
-_FRAME_CALLS = frozenset({"super", "locals", "globals", "vars", "dir", "eval", "exec"})
+_FRAME_CALLS = frozenset({"super", "locals", "globals", "vars", "dir", "eval", "exec",
+                          "_getframe", "currentframe"})
 
 
 # --------------------------------------------------------------------------- compiling
@@ -107,7 +108,9 @@ class _Rewriter(ast.NodeTransformer):
     def visit_Call(self, node: ast.Call):
         self.generic_visit(node)  # func, then args: inner calls are numbered first
         func = node.func
-        if isinstance(func, ast.Name) and func.id in _FRAME_CALLS:
+        if (isinstance(func, ast.Name) and func.id in _FRAME_CALLS) or (
+            isinstance(func, ast.Attribute) and func.attr in _FRAME_CALLS
+        ):
             return node
         base = _callee(func) or "call"
         n = self.counts.get(base, 0)
@@ -520,6 +523,11 @@ class OpEnvoy:
                 "operations."
             )
         return slot
+
+    @property
+    def name(self) -> str:
+        """The operation's name (``torch_matmul_0``)."""
+        return self._name
 
     @property
     def source(self) -> "FunctionSource":
