@@ -30,7 +30,6 @@ from __future__ import annotations
 import ast
 import difflib
 import inspect
-import linecache
 import textwrap
 import types
 import weakref
