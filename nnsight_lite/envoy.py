@@ -171,6 +171,20 @@ class Envoy:
         med.get(self, INPUT)
         med.skip_value = value
 
+    @property
+    def source(self):
+        """The operations inside this module's forward, by name (see :class:`source.Source`).
+
+        Example::
+
+            print(model.transformer.h[0].attn.source)   # the forward with each op's name
+            with model.trace("Hello"):
+                w = model.transformer.h[0].attn.source.attention_interface_0.output.save()
+        """
+        from .source import source_of
+
+        return source_of(self)
+
     # ---- the module tree
 
     def __getattr__(self, name: str):

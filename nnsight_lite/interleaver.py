@@ -102,6 +102,7 @@ class Interleaver:
         self.name_waiters: list[Mediator] = []
         self.finished = False
         self.stopped_early = False
+        self.sources = None  # source.SourceRun: forwards running instrumented in this trace
 
     def add(self, run, batch=None, scope=None) -> Mediator:
         med = Mediator(self, len(self.mediators), run, batch, scope)
@@ -111,6 +112,9 @@ class Interleaver:
     def slot_of(self, envoy) -> Slot:
         slot = self.slots.get(id(envoy._module))
         if slot is None:
+            find = getattr(type(envoy), "_slot_in", None)  # an operation (source.py)
+            if find is not None:
+                return find(envoy, self)
             raise OutsideTraceError(
                 f"{envoy._path} is not part of the model being traced here (at "
                 f"{user_location()}); each model's values can only be read inside its own "
@@ -314,6 +318,9 @@ class Interleaver:
         return flat
 
     def _uninstall(self) -> None:
+        if self.sources is not None:  # instrumented forwards (source.py) go first
+            self.sources.close()
+            self.sources = None
         for slot in self.slots.values():
             prev = slot.prev_forward
             if prev is not _UNSWAPPED:  # (install may have been interrupted part way)

@@ -1,0 +1,338 @@
+"""Operations inside a module's forward (``envoy.source.<op>``): names, reading and editing,
+ordering errors, per-call addressing, invokes, nested ``.source``, and that forwards nobody
+asks about run untouched. Ground truth is plain computation on the same weights."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import pytest
+import torch
+
+import nnsight_lite
+from nnsight_lite import NNsight
+from nnsight_lite.errors import (
+    MissedModuleError,
+    ModulePathError,
+    OutOfOrderError,
+    SourceUnavailableError,
+)
+
+
+def scaled_scores(q, k, scale):
+    """A plain Python function an operation calls (for nested .source)."""
+    s = torch.matmul(q, k.transpose(0, 1))
+    return torch.softmax(s * scale, dim=-1)
+
+
+class Block(torch.nn.Module):
+    """Calls torch functions, a method chain, a submodule twice and a helper function."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.frames = []  # code objects the forward ran with (instrumented or not)
+
+    def forward(self, x, branch=False):
+        self.frames.append(sys._getframe().f_code)
+        h = self.lin(x)
+        h = torch.relu(h) + torch.relu(-h)
+        if branch:
+            h = torch.tanh(h)
+        s = scaled_scores(h, h, 0.5)
+        return self.lin(torch.matmul(s, h)).sum(-1)
+
+
+def plain(block, x, relu0=None, scores=None):
+    """The Block forward written out by hand, with optional edits."""
+    h = block.lin(x)
+    a = torch.relu(h)
+    if relu0 is not None:
+        a = relu0(a)
+    h = a + torch.relu(-h)
+    s = torch.softmax(torch.matmul(h, h.T) * 0.5, dim=-1)
+    if scores is not None:
+        s = scores(s)
+    return block.lin(torch.matmul(s, h)).sum(-1)
+
+
+@pytest.fixture
+def block():
+    torch.manual_seed(0)
+    return Block()
+
+
+@pytest.fixture
+def x():
+    torch.manual_seed(1)
+    return torch.randn(4, 6)
+
+
+class TestNames:
+    def test_names_follow_the_dotted_callee_with_a_per_name_index(self, block):
+        """Names are the dotted callee joined by '_' plus an index per name; inner calls and
+        method chains are named first (self.lin(torch.matmul(..)).sum -> ..._sum_0). Calls
+        that read their caller's frame (sys._getframe) are left alone."""
+        names = [op.name for op in NNsight(block).source]
+        assert names == ["self_frames_append_0", "self_lin_0", "torch_relu_0", "torch_relu_1",
+                         "torch_tanh_0", "scaled_scores_0", "torch_matmul_0", "self_lin_1",
+                         "self_lin_1_sum_0"]
+
+    def test_print_shows_each_name_beside_its_line(self, block):
+        """print(envoy.source) shows the forward's lines, each op's name on its line; an op
+        printed alone shows its line marked with -->."""
+        model = NNsight(block)
+        text = str(model.source)
+        line = next(ln for ln in text.splitlines() if "torch_tanh_0" in ln)
+        assert "h = torch.tanh(h)" in line
+        assert any(ln.strip().startswith("torch_relu_1") and ln.rstrip().endswith("+")
+                   for ln in text.splitlines())
+        one = repr(model.source.torch_tanh_0)
+        marked = [ln for ln in one.splitlines() if ln.lstrip().startswith("-->")]
+        assert len(marked) == 1 and "torch.tanh(h)" in marked[0]
+
+    def test_misspelled_name_lists_near_matches(self, block):
+        """A name that is not an op raises ModulePathError (an AttributeError) naming it and
+        suggesting the close ones."""
+        with pytest.raises(ModulePathError, match=r"no operation 'torch_relu_3'.*torch_relu_0"):
+            NNsight(block).source.torch_relu_3
+        with pytest.raises(AttributeError):
+            NNsight(block).source.nothing_like_it
+
+
+class TestValues:
+    def test_outputs_and_inputs_equal_plain_computation(self, block, x):
+        """.output, .input and .inputs of ops equal the values computed by hand."""
+        model = NNsight(block)
+        with model.trace(x):
+            r0 = model.source.torch_relu_0.output.save()
+            r1_in = model.source.torch_relu_1.input.save()
+            args, kwargs = model.source.scaled_scores_0.inputs
+            scale = nnsight_lite.save((args[2], kwargs))
+            s = model.source.scaled_scores_0.output.save()
+            out = model.output.save()
+        h = block.lin(x)
+        torch.testing.assert_close(r0, torch.relu(h))
+        torch.testing.assert_close(r1_in, -h)
+        torch.testing.assert_close(s, scaled_scores(*[torch.relu(h) + torch.relu(-h)] * 2, 0.5))
+        assert scale == (0.5, {})
+        torch.testing.assert_close(out, plain(block, x))
+
+    def test_edits_in_place_and_by_assignment_change_the_forward(self, block, x):
+        """Editing an op's output in place or assigning a new one changes what the rest of
+        the forward computes, exactly as the same edit done by hand; so does setting .input."""
+        model = NNsight(block)
+        with model.trace(x):
+            model.source.torch_relu_0.output[:, 0] = 0
+            model.source.scaled_scores_0.output = model.source.scaled_scores_0.output * 2
+            out = model.output.save()
+
+        def zero_col(a):
+            a = a.clone()
+            a[:, 0] = 0
+            return a
+
+        torch.testing.assert_close(out, plain(block, x, relu0=zero_col, scores=lambda s: s * 2))
+        with model.trace(x):
+            model.source.torch_relu_0.input = torch.zeros(4, 6)
+            out2 = model.output.save()
+        torch.testing.assert_close(out2, plain(block, x, relu0=torch.zeros_like))
+
+    def test_skip_uses_the_given_value(self, block, x):
+        """.skip(value) on an op does not run it and uses value as its output."""
+        model = NNsight(block)
+        ones = torch.full((4, 4), 0.25)
+        with model.trace(x):
+            model.source.scaled_scores_0.skip(ones)
+            out = model.output.save()
+        torch.testing.assert_close(out, plain(block, x, scores=lambda s: ones))
+
+    def test_invokes_see_their_own_rows(self, block, x):
+        """With two invokes, each reads only its rows of an op's output, and an edit made in
+        one invoke changes only its rows."""
+        model = NNsight(block)
+        with model.trace() as tracer:
+            with tracer.invoke(x[:1]):
+                a = model.source.torch_relu_0.output.save()
+            with tracer.invoke(x[1:]):
+                model.source.torch_relu_0.output[:] = 0
+                b = model.source.torch_relu_0.output.save()
+                out = model.output.save()
+        torch.testing.assert_close(a, torch.relu(block.lin(x[:1])))
+        assert b.shape == (3, 6) and not b.any()
+        # scores mix rows across the batch: compare the whole forward with the same edit
+        ref = plain(block, x, relu0=lambda r: torch.cat([r[:1], torch.zeros_like(r[1:])]))
+        torch.testing.assert_close(out, ref[1:])
+
+
+class TestOrder:
+    def test_op_that_already_ran_raises_out_of_order(self, block, x):
+        """Reading an op after a later one raises OutOfOrderError naming the op."""
+        model = NNsight(block)
+        with pytest.raises(OutOfOrderError, match=r"model\.source\.torch_relu_0\.output"):
+            with model.trace(x):
+                model.source.torch_relu_1.output
+                model.source.torch_relu_0.output
+
+    def test_op_that_never_runs_raises_missed(self, block, x):
+        """An op on a branch the forward does not take raises MissedModuleError naming it."""
+        model = NNsight(block)
+        with pytest.raises(MissedModuleError, match=r"model\.source\.torch_tanh_0\.output"):
+            with model.trace(x):
+                model.source.torch_tanh_0.output
+        with model.trace(x, branch=True):
+            t = model.source.torch_tanh_0.output.save()
+        torch.testing.assert_close(t, torch.tanh(torch.relu(block.lin(x)) + torch.relu(-block.lin(x))))
+
+    def test_first_use_after_the_module_ran_is_refused(self, x):
+        """Operations are counted from the first use in a trace: a first use after the module
+        already ran raises OutOfOrderError that says to touch .source at the top."""
+        torch.manual_seed(0)
+        model = NNsight(torch.nn.Sequential(Block(), torch.nn.Identity()))
+        with pytest.raises(OutOfOrderError, match=r"model\[0\]\.source was first used"):
+            with model.trace(x):
+                model[1].output
+                model[0].source.torch_relu_0.next().output
+
+
+class TestCalls:
+    def test_next_iter_and_all_address_each_call(self, x):
+        """A module called three times: its op's .next(), tracer.iter[i] and tracer.all() give
+        the op's value at each call, as plain computation does."""
+        torch.manual_seed(0)
+        blk = Block()
+
+        class Thrice(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blk = blk
+
+            def forward(self, x):
+                for _ in range(3):
+                    x = self.blk(x).unsqueeze(-1).expand(-1, 6)
+                return x
+
+        model = NNsight(Thrice())
+        with model.trace(x) as tracer:
+            by_next = nnsight_lite.save([model.blk.source.torch_relu_0.output])
+            for _ in range(2):
+                by_next.append(model.blk.source.torch_relu_0.next().output)
+        with model.trace(x) as tracer:
+            for _ in tracer.iter[2]:
+                two = model.blk.source.torch_relu_0.output.save()
+        with model.trace(x) as tracer:
+            by_all = nnsight_lite.save([])
+            for _ in tracer.all():
+                by_all.append(model.blk.source.torch_relu_0.output)
+        h, ref = x, []
+        for _ in range(3):
+            ref.append(torch.relu(blk.lin(h)))
+            h = plain(blk, h).unsqueeze(-1).expand(-1, 6)
+        for i in range(3):
+            torch.testing.assert_close(by_next[i], ref[i])
+            torch.testing.assert_close(by_all[i], ref[i])
+        torch.testing.assert_close(two, ref[2])
+        assert len(by_all) == 3
+
+    def test_two_calls_of_one_op_site_in_a_forward(self, block, x):
+        """A submodule called twice is two ops (self_lin_0, self_lin_1) with their inputs."""
+        model = NNsight(block)
+        with model.trace(x):
+            a = model.source.self_lin_0.input.save()
+            b = model.source.self_lin_1.output.save()
+        torch.testing.assert_close(a, x)
+        torch.testing.assert_close(b.sum(-1), plain(block, x))
+
+
+class TestNested:
+    def test_nested_source_reads_and_edits_inside_the_called_function(self, block, x):
+        """op.source gives the ops of the function the op calls; reading and editing them
+        works like any op."""
+        model = NNsight(block)
+        with model.trace(x):
+            inner = model.source.scaled_scores_0.source
+            names = nnsight_lite.save([op.name for op in inner])
+            m = inner.torch_matmul_0.output.save()
+            inner.torch_softmax_0.output[:] = 0.25
+            out = model.output.save()
+        assert names == ["k_transpose_0", "torch_matmul_0", "torch_softmax_0"]
+        h = torch.relu(block.lin(x)) + torch.relu(-block.lin(x))
+        torch.testing.assert_close(m, h @ h.T)
+        torch.testing.assert_close(out, plain(block, x, scores=lambda s: torch.full_like(s, 0.25)))
+
+    def test_nested_source_of_a_module_call_is_refused(self, block, x):
+        """Drilling into an op that calls a submodule raises SourceUnavailableError saying to
+        use the submodule's own .source."""
+        model = NNsight(block)
+        with pytest.raises(SourceUnavailableError, match=r"calls a module \(Linear\)"):
+            with model.trace(x):
+                model.source.self_lin_0.source
+
+    def test_nested_misspelled_name(self, block, x):
+        """A misspelled op of a called function raises ModulePathError with near matches."""
+        model = NNsight(block)
+        with pytest.raises(ModulePathError, match=r"torch_softmax_0"):
+            with model.trace(x):
+                model.source.scaled_scores_0.source.torch_softmx_0
+
+
+class TestCost:
+    def test_only_traces_that_ask_run_the_instrumented_forward(self, block, x):
+        """A trace that uses no op runs the original forward code; a trace that does runs the
+        instrumented one for that trace only; afterwards plain calls are original again."""
+        model = NNsight(block)
+        original = Block.forward.__code__
+        with model.trace(x):
+            model.output.save()
+        with model.trace(x):
+            model.source.torch_relu_0.output.save()
+        block(x)
+        assert [c is original for c in block.frames] == [True, False, True]
+        assert block.__dict__.get("forward") is None
+        slot = model.__dict__["_plan"].slots[id(block)]
+        assert slot.orig.__func__ is Block.forward  # no instrumented forward kept after it
+
+    def test_closures_super_and_decorators_keep_working(self, x):
+        """A forward using super(), a closure variable and a functools.wraps decorator: the
+        instrumented forward still runs the decorator and sees the closure."""
+        factor = 3.0
+
+        def triple(fn):
+            @functools.wraps(fn)
+            def wrapper(self, *a, **k):
+                return fn(self, *a, **k) * factor
+            return wrapper
+
+        class Base(torch.nn.Module):
+            def forward(self, x):
+                return x + 1
+
+        class Child(Base):
+            @triple
+            def forward(self, x):
+                return torch.relu(super().forward(x)) * factor
+
+        model = NNsight(Child())
+        assert [op.name for op in model.source] == ["super_forward_0", "torch_relu_0"]
+        with model.trace(x):
+            r = model.source.torch_relu_0.output.save()
+            out = model.output.save()
+        torch.testing.assert_close(r, torch.relu(x + 1))
+        torch.testing.assert_close(out, torch.relu(x + 1) * 9)
+
+    def test_body_calling_the_module_itself_is_not_counted(self, block, x):
+        """Calling the module from a body runs it plainly; the trace's op counts are untouched."""
+        model = NNsight(block)
+        with model.trace(x):
+            extra = model(x * 0).save()
+            r = model.source.torch_relu_0.output.save()
+        torch.testing.assert_close(r, torch.relu(block.lin(x)))
+        torch.testing.assert_close(extra, plain(block, x * 0))
+
+    def test_scan_gives_op_shapes(self, block, x):
+        """.scan runs the instrumented forward on fake tensors: op shapes without compute."""
+        model = NNsight(block)
+        with model.scan(x):
+            shape = nnsight_lite.save(tuple(model.source.scaled_scores_0.output.shape))
+        assert shape == (4, 4)
