@@ -79,6 +79,12 @@ def _compile_body(frame: FrameType, what: str) -> Body:
         code = compile(module, filename, "exec", dont_inherit=True)
     except SyntaxError as exc:
         raise body_syntax_error(exc, what, filename, lineno) from None
+    # tracebacks name the body's frame after the code it was written in, not "<module>"
+    outer = frame.f_code
+    names = {"co_name": outer.co_name}
+    if hasattr(outer, "co_qualname"):
+        names["co_qualname"] = outer.co_qualname
+    code = code.replace(**names)
     remember_source(code, lines)
     trivial = all(
         isinstance(st, ast.Pass) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))

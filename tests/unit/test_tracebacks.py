@@ -44,11 +44,11 @@ class TestBodyErrors:
             with model.trace(torch.randn(2, 4)):
                 h = model[0].output
                 _bad_matmul(h)
-        got = [(file, line) for file, _, line in frames(info.value)]
-        assert got == [
-            ("test_tracebacks.py", "with model.trace(torch.randn(2, 4)):"),
-            ("test_tracebacks.py", "_bad_matmul(h)"),
-            ("test_tracebacks.py", "return h @ torch.ones(3, 3)"),
+        here = "test_shows_the_with_line_the_body_line_and_the_users_function"
+        assert frames(info.value) == [
+            ("test_tracebacks.py", here, "with model.trace(torch.randn(2, 4)):"),
+            ("test_tracebacks.py", here, "_bad_matmul(h)"),
+            ("test_tracebacks.py", "_bad_matmul", "return h @ torch.ones(3, 3)"),
         ]
         assert info.value.__context__ is None and info.value.__cause__ is None
 
