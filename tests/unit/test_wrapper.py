@@ -58,6 +58,27 @@ class TestFreed:
         assert sum(r() is not None for r in refs) == 0
         assert alive_without_gc == 0
 
+    def test_models_used_with_source_cache_and_aliases_go_without_the_collector(self):
+        """`.source` (instrumented forwards are cached per function, not per model),
+        `tracer.cache()` and `rename=` keep no model alive."""
+        refs = []
+        x = torch.randn(2, 4)
+        gc.disable()
+        try:
+            for _ in range(3):
+                top = Top()
+                model = NNsight(top, rename={"transformer.h": "layers"})
+                with model.trace(x) as tracer:
+                    cache = tracer.cache()
+                    model.layers[0].source.self_mlp_0.output[:] = 0
+                    out = model.output.save()
+                refs += [weakref.ref(top), weakref.ref(model), weakref.ref(top.head.weight)]
+                del top, model, tracer, cache, out
+            alive = sum(r() is not None for r in refs)
+        finally:
+            gc.enable()
+        assert alive == 0
+
     @pytest.mark.parametrize("inplace", [False, True])
     def test_edited_models_go_without_the_collector(self, inplace):
         """An edit body that names the edited model does not make the model hold itself."""
