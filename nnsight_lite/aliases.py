@@ -180,7 +180,8 @@ def _match(module, parts: tuple, where: str):
     head, rest = parts[0], parts[1:]
     if head == "*":
         hits = [(n, c) for n, c in module._modules.items()
-                if c is not None and next(_match(c, rest, ""), None) is not None]
+                if c is not None and next(_match(c, rest, f"{where}.{n}" if where else n),
+                                          None) is not None]
         if len(hits) > 1:
             raise ValueError(
                 f"rename key component '*' matches {len(hits)} children of {_label(where)} "
@@ -190,7 +191,7 @@ def _match(module, parts: tuple, where: str):
         child = module._modules.get(head)
         hits = [(head, child)] if child is not None else []
     for name, child in hits:
-        for tail in _match(child, rest, ""):
+        for tail in _match(child, rest, f"{where}.{name}" if where else name):
             yield (name,) + tail
 
 

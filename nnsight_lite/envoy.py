@@ -211,9 +211,10 @@ class Envoy:
             return self._method(name, value)
         return value
 
-    def _sub(self, name: str) -> "Envoy":
+    def _sub(self, name: str, path: "str | None" = None) -> "Envoy":
         """The Envoy of the child module ``name`` (cached; also when ``name`` is one of the
-        Envoy's own properties, ``output`` say, which attribute access would read instead)."""
+        Envoy's own properties, ``output`` say, which attribute access would read instead).
+        ``envoy[0]``, ``getattr(envoy, "0")`` and aliases all give this one Envoy."""
         d = self.__dict__
         sub = d["_module"]._modules.get(name)
         env = d.get(name)
@@ -221,7 +222,9 @@ class Envoy:
             return env
         if sub is None:
             raise self._no_such(name)
-        env = d[name] = self._child(sub, name, f"{d['_path']}.{name}")
+        if path is None:
+            path = f"{d['_path']}[{name}]" if name.isdigit() else f"{d['_path']}.{name}"
+        env = d[name] = self._child(sub, name, path)
         return env
 
     def _child(self, sub: torch.nn.Module, name: str, path: str) -> "Envoy":
@@ -300,6 +303,8 @@ class Envoy:
             children = self._module._modules
             if len(children) == length and children.get(name) is env._module:
                 return env
+        if isinstance(key, str) and self._tree.alias(self._mpath, key) is not None:
+            return getattr(self, key)  # an alias of a ModuleList entry: h["second_layer"]
         try:
             sub = self._module[key]
         except (IndexError, KeyError, TypeError) as exc:
@@ -313,7 +318,10 @@ class Envoy:
             return sub
         children = self._module._modules
         name = next((n for n, m in children.items() if m is sub), None)
-        env = self._child(sub, name if name is not None else str(key), f"{self._path}[{key!r}]")
+        if name is not None:
+            env = self._sub(name, f"{self._path}[{key!r}]")
+        else:
+            env = self._child(sub, str(key), f"{self._path}[{key!r}]")
         if name is not None:
             items[key] = (env, name, len(children))
         return env
@@ -327,7 +335,9 @@ class Envoy:
     def __len__(self) -> int:
         return len(self._module)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args, hook: bool = False, **kwargs):
+        """Call the module (``hook=`` is accepted for nnsight code and ignored: a call made
+        from a body is an ordinary call, not one of the traced model's)."""
         return self._module(*args, **kwargs)
 
     def __repr__(self) -> str:

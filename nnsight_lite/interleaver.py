@@ -253,8 +253,10 @@ class Interleaver:
         added, removed or renamed) makes a new walk, so it is always seen.
         """
         key = id(self.root)
-        other = _active.get(key)
-        if other is not None and other.thread != self.thread:
+        other = _active.setdefault(key, self)  # one step: two threads cannot both get None
+        if other is self:
+            other = None
+        elif other.thread != self.thread:
             raise NNsightError(
                 f"this model ({type(self.root).__name__}) is being traced by another thread right "
                 "now; traces of one model cannot overlap across threads (its modules' forward "
@@ -267,8 +269,6 @@ class Interleaver:
             plan = _Plan()
             if home is not None and home.get("_plan") is None:
                 home["_plan"] = plan
-        if other is None:
-            _active[key] = self
         _traced.add(self.root)
         plan.inter = self
         self._plan = plan

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import weakref
 
 import torch
 
 from . import prompts
+from .backward import _called_as_context
 from .envoy import Envoy
 from .errors import InputError, NNsightError
 from .model import NNsight
@@ -304,15 +306,16 @@ class LanguageModel(NNsight):
         ``tracer.all()``. Tokenizer keywords go to the tokenizer, every other keyword to
         ``generate`` (``max_length`` too: here it is generate's total length; give it to
         ``tracer.invoke`` to truncate a prompt). Without ``max_new_tokens``/``max_length`` the
-        model's generation config decides the length, as with HF ``generate``. With
-        ``trace=False`` it returns generate's output directly.
+        model's generation config decides the length, as with HF ``generate``. Called without
+        a ``with`` (or with ``trace=False``) it returns generate's output directly.
         """
         # max_length means generate's total length here; per-invoke truncation can still use it
         tok = {k: v for k, v in kwargs.items()
                if k in prompts.TOKENIZER_KWARGS and k != "max_length"}
         gen = {k: v for k, v in kwargs.items() if k not in tok}
         self.dispatch()
-        if not trace:
+        if not trace or not _called_as_context(sys._getframe(1)):
+            # `ids = model.generate(prompt)` without a with-block: the ids, as HF (and nnsight)
             args, kw, _ = self._batch_inputs([self._prepare_inputs(*inputs, **tok)])
             return self._run_generate(args, kw, gen)
         return Generator(self, inputs, tok, gen)

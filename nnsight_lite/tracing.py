@@ -18,7 +18,7 @@ import torch
 from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patches backward)
 from .capture import Scope
 from .context import RUNTIME, BodyContext, body_job
-from .errors import NNsightError
+from .errors import InputError, NNsightError
 from .interleaver import Interleaver
 from .mediator import _MISSING, StopTrace, _collecting, current_mediator, wait_for_name
 from .workers import _getcurrent, user_location
@@ -350,6 +350,15 @@ class _IterIndexer:
 
 def _iterate(item):
     med = current_mediator(None, "iter")
+    ends = (item.start, item.stop) if isinstance(item, slice) else \
+        (item,) if isinstance(item, int) else tuple(item)
+    bad = [i for i in ends if i is not None and i < 0]
+    if bad:
+        raise InputError(
+            f"tracer.iter step cannot be negative ({bad[0]}, at {user_location()}): steps count "
+            "from the first call (0); the number of steps is not known while the model runs. "
+            "Use tracer.all() (or tracer.iter[k:]) and keep what the last step gives."
+        )
     if isinstance(item, int):
         steps = iter((item,))
     elif isinstance(item, slice):

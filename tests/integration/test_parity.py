@@ -115,3 +115,12 @@ def test_rename_on_gpt2_equals_plain_hooks(model_dirs):
         h2.remove()
     assert torch.allclose(a, seen["mlp"], atol=1e-5) and torch.allclose(b, seen["h2"], atol=1e-5)
     assert lm.layers is lm.transformer.h and "(backbone/transformer)" in repr(lm)
+
+
+def test_generate_called_without_with_returns_the_ids(lm, hf):
+    """`ids = model.generate(prompt, ...)` as in HF and nnsight: the ids, no tracer."""
+    enc = lm.tokenizer(PROMPT, return_tensors="pt")
+    ids = lm.generate(PROMPT, max_new_tokens=3, do_sample=False)
+    plain = hf.generate(**enc, max_new_tokens=3, do_sample=False,
+                        pad_token_id=lm.tokenizer.pad_token_id)
+    assert torch.equal(ids, plain)

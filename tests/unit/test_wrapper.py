@@ -368,3 +368,33 @@ def test_cache_navigation_follows_aliases():
     plain, _ = record(top, ["transformer.h.1.mlp"], x)
     assert torch.equal(cache.layers[1].ffn.output, plain[("transformer.h.1.mlp", 0)])
     assert torch.equal(cache["model.transformer.h.1.mlp"].output, cache.layers[1].ffn.output)
+
+
+class TestReviewFindings:
+    def test_a_deep_alias_and_an_index_alias_are_the_same_envoys(self):
+        model = NNsight(Top(), rename={"transformer.h.1.mlp": "my_mlp", "1": "second"})
+        assert model.my_mlp is model.transformer.h[1].mlp
+        assert model.transformer.h["second"] is model.transformer.h[1]
+        assert model.transformer.h[1] is getattr(model.transformer.h, "1")
+        assert model.transformer.h[1]._path == "model.transformer.h[1]"
+
+    def test_star_error_names_where_it_matched(self):
+        with pytest.raises(ValueError, match=r"matches 3 children of model.transformer.h "
+                                             r"\(0, 1, 2\)"):
+            NNsight(Top(), rename={"transformer.h.*": "block"})
+
+    def test_calling_an_envoy_with_hook_is_an_ordinary_call(self):
+        top = Top()
+        model = NNsight(top)
+        x = torch.randn(2, 4)
+        with model.trace(x):
+            again = model.head(model.transformer.output, hook=True).save()
+            out = model.output.save()
+        assert torch.equal(again, out) and torch.equal(out, top(x))
+
+    def test_negative_iter_steps_are_refused(self):
+        model = NNsight(Top())
+        with pytest.raises(nnsight_lite.InputError, match=r"tracer.iter step cannot be negative"):
+            with model.trace(torch.randn(1, 4)) as tracer:
+                for step in tracer.iter[-1]:
+                    model.head.output
