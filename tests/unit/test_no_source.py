@@ -56,6 +56,25 @@ INVOKES = textwrap.dedent("""
 """)
 
 
+BACKWARD = textwrap.dedent("""
+    with model.trace(x):
+        h = model[0].output.save()
+        out = model.output.save()
+    net.zero_grad()
+    with out.sum().backward():
+        g = h.grad.clone()
+        h.grad[:] = 0
+    w_grad = net[0].weight.grad.clone()
+    h2 = net[0](x)
+    h2.retain_grad()
+    net.zero_grad()
+    net[2](net[1](h2)).sum().backward()
+    verdict = (torch.equal(g, h2.grad) and torch.count_nonzero(w_grad).item() == 0
+               and "grad" not in torch.Tensor.__dict__ and clean())
+    print("BACKWARD", verdict)
+""")
+
+
 def run_piped(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
                           timeout=180)
@@ -63,9 +82,12 @@ def run_piped(code: str) -> subprocess.CompletedProcess:
 
 def test_piped_stdin_trace_reads_edits_and_cleans_up():
     """Piped into `python -`: a trace given inputs reads and edits like plain hooks do; a body
-    raising leaves no wrapper; a trace with invokes gives the clear no-source error."""
-    proc = run_piped(SETUP + READ_AND_EDIT + BODY_ERROR + INVOKES)
+    raising leaves no wrapper; a trace with invokes gives the clear no-source error; a
+    backward block reads a gradient as plain autograd gives it, and its edit (zeroing it)
+    reaches the first layer's weight gradient."""
+    proc = run_piped(SETUP + READ_AND_EDIT + BODY_ERROR + INVOKES + BACKWARD)
     assert proc.returncode == 0, proc.stderr
+    assert "BACKWARD True" in proc.stdout
     assert "READ-EDIT True" in proc.stdout
     assert "BODY-ERROR True" in proc.stdout
     assert "INVOKES NoSourceError True" in proc.stdout
@@ -154,3 +176,38 @@ def test_source_that_does_not_match_still_raises(net):
     finally:
         linecache.cache.pop(filename, None)
     assert "h" not in ns and _clean(net)
+
+
+def test_exec_string_backward_block(net):
+    """exec of a bare string: a backward block runs in place, reads the gradient plain autograd
+    gives, edits what flows on, and leaves torch.Tensor.grad unpatched and no hook behind."""
+    from nnsight_lite.errors import GradientError, OutOfOrderError
+
+    x = torch.randn(3, 4)
+    ns = {"model": NNsight(net), "x": x, "net": net}
+    _exec("with model.trace(x):\n    h = model[0].output.save()\n    r = model[1].output.save()\n"
+          "    out = model.output.save()\n", ns)
+    net.zero_grad()
+    _exec("with out.sum().backward():\n    gr = r.grad.clone()\n    g = h.grad.clone()\n"
+          "    h.grad[:] = 0\n", ns)
+    h2 = net[0](x)
+    r2 = net[1](h2)
+    h2.retain_grad()
+    r2.retain_grad()
+    net.zero_grad()
+    net[2](r2).sum().backward()
+    assert torch.equal(ns["g"], h2.grad) and torch.equal(ns["gr"], r2.grad)
+    assert "grad" not in torch.Tensor.__dict__
+    _exec("with model.trace(x):\n    h = model[0].output.save()\n    r = model[1].output.save()\n"
+          "    out = model.output.save()\n", ns)
+    with pytest.raises(OutOfOrderError):
+        _exec("with out.sum().backward():\n    a = h.grad\n    b = r.grad\n", ns)
+    _exec("with model.trace(x):\n    out = model.output.save()\n", ns)
+    ns["z"] = torch.randn(2, requires_grad=True)
+    with pytest.raises(GradientError, match="never reached"):
+        _exec("with out.sum().backward():\n    q = z.grad\n", ns)
+    with pytest.raises(ValueError, match="boom"):
+        _exec("with model.trace(x):\n    h = model[0].output.save()\n    out = model.output.save()\n"
+              "with out.sum().backward():\n    a = h.grad\n    raise ValueError('boom')\n", ns)
+    assert "grad" not in torch.Tensor.__dict__ and _clean(net)
+    assert all(not m._backward_hooks for m in net.modules())
