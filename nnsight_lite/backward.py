@@ -264,7 +264,21 @@ class Backward(BodyContext):
                 ".grad was read before it. Gradients arrive in reverse execution order: read "
                 "the later tensor's .grad first (here: this one before the other)."
             )
+        return self._wait(t)
+
+    def _wait(self, t):
+        """Wait for backprop to reach ``t`` (the backward runs in the parent greenlet)."""
         return greenlet.getcurrent().parent.switch(t)
+
+    def _no_source(self, err):
+        from .nosource import enter_inline_backward
+
+        enter_inline_backward(self)
+
+    def _exit_no_source(self, exc_type, exc) -> bool:
+        from .nosource import exit_inline_backward
+
+        return exit_inline_backward(self, exc_type, exc)
 
     def _bad_request(self, t) -> GradientError:
         where = user_location()

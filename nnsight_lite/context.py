@@ -27,7 +27,7 @@ from .capture import (
     write_back,
 )
 from .envoy import _saved_stack, save_in_body
-from .errors import BodySyntaxError
+from .errors import BodySyntaxError, NoSourceError
 from .mediator import wait_for_name
 from .tracebacks import clean
 
@@ -35,6 +35,7 @@ _PY311 = sys.version_info >= (3, 11)
 
 RUNTIME = {SAVE_NAME: save_in_body, INLINE_NAME: body_runs_inline, NAME_NAME: class_body_name}
 _INLINE = object()  # the token of a context entered from a compiled body (no line tracer)
+_NO_SOURCE = object()  # the token of a context whose body runs in place (no source: nosource.py)
 
 
 def body_job(code, scope):
@@ -55,7 +56,13 @@ class BodyContext:
 
     def _capture(self, frame) -> None:
         """Find the body of the with-statement ``frame`` is entering and arrange to skip it."""
-        self._body = find_body(frame, self._what)
+        try:
+            self._body = find_body(frame, self._what)
+        except NoSourceError as err:  # no source at all: run in place, where the context can
+            self._frame = None
+            self._no_source(err)
+            self._token = _NO_SOURCE
+            return
         self._frame = frame
         body = self._body
         if body.trivial:
@@ -70,6 +77,8 @@ class BodyContext:
 
     def __exit__(self, exc_type, exc, tb):
         token, self._token = self._token, None  # it holds the frame: no cycle through it
+        if token is _NO_SOURCE:
+            return self._exit_no_source(exc_type, exc)
         if token is _INLINE:
             cancel_inline_skip(self)  # normally consumed already
             expected = None
@@ -90,6 +99,15 @@ class BodyContext:
                 raise  # re-raised as it is: no frame of this function is added to it
             raise err  # 3.10's bare raise would put the unfiltered traceback back
         return True
+
+    def _no_source(self, err: NoSourceError) -> None:
+        """Where the block has no source at all: start running its body in place, or raise."""
+        from .nosource import no_source_error
+
+        raise no_source_error(self, err) from None
+
+    def _exit_no_source(self, exc_type, exc) -> bool:  # pragma: no cover - see _no_source
+        raise NotImplementedError
 
     def _on_exit(self, frame):  # pragma: no cover - abstract
         raise NotImplementedError

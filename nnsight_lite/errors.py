@@ -49,6 +49,11 @@ class SourceUnavailableError(NNsightError, RuntimeError):
     """The source of a ``with model.trace(...)`` block cannot be found, so it cannot be run."""
 
 
+class NoSourceError(SourceUnavailableError):
+    """There is no source at all for a block (bare REPL before 3.13, piped stdin, ``exec`` of a
+    plain string): a trace given inputs and a backward block then run in place (nosource.py)."""
+
+
 class BodySyntaxError(NNsightError, SyntaxError):
     """A statement that cannot live at the top level of a trace body (``return``, ``yield``)."""
 

@@ -187,7 +187,7 @@ class Interleaver:
     def _kill_all(self) -> None:
         """Unwind every body still suspended (its ``finally`` blocks run) and free its worker."""
         for med in self.mediators:
-            if not med.done and med.greenlet is not None:
+            if not med.done and med.greenlet is not None and not med.inline:
                 unwind(med.greenlet)
             med.done = True
             med.scope = med.shared = med.snapshot = med.run_fn = med.greenlet = None

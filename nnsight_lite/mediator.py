@@ -103,6 +103,8 @@ class Mediator:
                  "pending", "pending_envoy", "cur_key", "cur_value", "replaced", "skip_value",
                  "tls", "iteration", "iter_depth", "offsets", "shared", "snapshot", "assigned")
 
+    inline = False  # True: the body runs in the user's own greenlet (nosource.py), never unwound
+
     def __init__(self, interleaver: "Interleaver", index: int, run, batch=None, scope=None):
         self.interleaver = interleaver
         self.index = index

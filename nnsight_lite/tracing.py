@@ -149,6 +149,20 @@ class Tracer(BodyContext):
     def _on_exit(self, frame):
         self._run_in_scope(frame, self._run)
 
+    def _no_source(self, err):
+        # a trace given inputs (not generate, which attaches modules around its run) runs in place
+        if (self._args or self._kwargs) and type(self)._run is Tracer._run:
+            from .nosource import enter_inline_trace
+
+            enter_inline_trace(self)
+            return
+        super()._no_source(err)
+
+    def _exit_no_source(self, exc_type, exc) -> bool:
+        from .nosource import exit_inline_trace
+
+        return exit_inline_trace(self, exc_type, exc)
+
     def _run(self, scope):
         model = self.model
         if self._args or self._kwargs:

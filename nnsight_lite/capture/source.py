@@ -39,7 +39,7 @@ import weakref
 from collections import OrderedDict
 from types import CodeType, FrameType
 
-from ..errors import SourceUnavailableError
+from ..errors import NoSourceError, SourceUnavailableError
 from .rewrite import rewrite_body
 
 #: the future-feature bits of ``co_flags``, which compile() takes as flags
@@ -404,7 +404,7 @@ def _const(value) -> tuple:
 def _unavailable(filename: str, lineno: int, what: str, tried) -> SourceUnavailableError:
     head = f"cannot run this `with ...{what}(...)` block at {filename}:{lineno}: "
     if all(origin in ("-c", "magic") for origin, _ in tried):  # only guesses, none right
-        return SourceUnavailableError(
+        return NoSourceError(
             head + f"there is no source for {filename!r}. nnsight_lite reads the block's source "
             "to run it interleaved with the model, and code typed into a bare Python REPL "
             "(before 3.13), piped through stdin or passed to exec() as a plain string leaves "

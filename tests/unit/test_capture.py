@@ -135,7 +135,9 @@ class TestPlacesABodyCanSit:
         torch.testing.assert_close(ns["h"], expected(seq, x, 1))
 
     def test_exec_without_source_raises(self, model):
-        src = "with model.trace(x):\n    h = model[1].output.save()\n"
+        """Invokes need their source: exec of a bare string with them raises, saying why."""
+        src = ("with model.trace() as tr:\n    with tr.invoke(x):\n"
+               "        h = model[1].output.save()\n")
         ns = {"model": model, "x": torch.randn(2, 6)}
         with pytest.raises(SourceUnavailableError, match="no source for '<string>'.*Jupyter"):
             exec(compile(src, "<string>", "exec"), ns)
@@ -186,7 +188,8 @@ class TestBodySyntax:
 
 
 def test_piped_stdin_has_no_source():
-    """Code piped into `python -` has no source to read: a clear error, not a hang."""
+    """Code piped into `python -` has no source to read: a trace with invokes gives a clear
+    error, not a hang (a single-input trace runs in place: test_no_source.py)."""
     import subprocess
     import sys
 
@@ -194,13 +197,14 @@ def test_piped_stdin_has_no_source():
         import torch
         from nnsight_lite import NNsight
         model = NNsight(torch.nn.Linear(2, 2))
-        with model.trace(torch.randn(1, 2)):
-            h = model.output.save()
+        with model.trace() as tracer:
+            with tracer.invoke(torch.randn(1, 2)):
+                h = model.output.save()
     """)
     proc = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0
-    assert "SourceUnavailableError" in proc.stderr
+    assert "NoSourceError" in proc.stderr  # a SourceUnavailableError
     assert "no source for '<stdin>'" in proc.stderr and "Jupyter" in proc.stderr
 
 
