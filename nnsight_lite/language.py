@@ -84,45 +84,47 @@ class _Streamer(torch.nn.Module):
             self.target.end()
 
 
-class _GeneratorEnvoy(Envoy):
-    """``model.generator``: its ``.output`` exists only inside ``model.generate(...)`` bodies."""
+class _DuringGenerate(Envoy):
+    """An Envoy whose ``.output`` exists only while ``model.generate(...)`` runs (the generator
+    module ``_generator`` is attached then); elsewhere it says so, with ``_elsewhere``."""
 
-    def __init__(self, module, path, tree=None, mpath=""):
-        super().__init__(module, path, tree, mpath)
-        streamer = _StreamerEnvoy(module.streamer, f"{path}.streamer")
-        streamer.__dict__["_generator"] = module
-        self.__dict__["streamer"] = streamer
-
-    @property
-    def output(self):
-        if not self._module.attached:
-            raise NNsightError(
-                "model.generator.output (the generated ids) exists only inside "
-                "`with model.generate(prompt, max_new_tokens=k):`; in a trace read "
-                "model.lm_head.output (the logits) instead"
-            )
-        return Envoy.output.fget(self)
-
-    @output.setter
-    def output(self, value):
-        Envoy.output.fset(self, value)
-
-
-class _StreamerEnvoy(Envoy):
-    """``model.generator.streamer``: the tokens of a ``model.generate(...)`` as they come."""
+    _elsewhere = ""
 
     @property
     def output(self):
         if not self._generator.attached:
-            raise NNsightError(
-                "model.generator.streamer.output (the tokens as generate produces them) exists "
-                "only inside `with model.generate(prompt, max_new_tokens=k):` bodies"
-            )
+            raise NNsightError(self._elsewhere)
         return Envoy.output.fget(self)
 
     @output.setter
     def output(self, value):
         Envoy.output.fset(self, value)
+
+
+class _GeneratorEnvoy(_DuringGenerate):
+    """``model.generator``: its ``.output`` exists only inside ``model.generate(...)`` bodies."""
+
+    _elsewhere = (
+        "model.generator.output (the generated ids) exists only inside "
+        "`with model.generate(prompt, max_new_tokens=k):`; in a trace read "
+        "model.lm_head.output (the logits) instead"
+    )
+
+    def __init__(self, module, path, tree=None, mpath=""):
+        super().__init__(module, path, tree, mpath)
+        self.__dict__["_generator"] = module
+        streamer = _StreamerEnvoy(module.streamer, f"{path}.streamer")
+        streamer.__dict__["_generator"] = module
+        self.__dict__["streamer"] = streamer
+
+
+class _StreamerEnvoy(_DuringGenerate):
+    """``model.generator.streamer``: the tokens of a ``model.generate(...)`` as they come."""
+
+    _elsewhere = (
+        "model.generator.streamer.output (the tokens as generate produces them) exists "
+        "only inside `with model.generate(prompt, max_new_tokens=k):` bodies"
+    )
 
 
 class LanguageModel(NNsight):
