@@ -19,7 +19,9 @@ the caller unchanged, after the trace has removed its hooks and finished every b
     ├── BatchingError          (ValueError)     invoke inputs that cannot form one batch
     ├── InputError             (TypeError, ValueError)  a prompt or option a wrapper cannot use
     ├── InferenceModeSwitchError (RuntimeError) waiting for a value inside torch.inference_mode()
-    └── CacheError             (ValueError)     tracer.cache() where it cannot record everything
+    ├── GradientError          (RuntimeError)   .grad / backward misuse (outside a backward block...)
+    ├── CacheError             (ValueError)     tracer.cache() where it cannot record everything
+    └── PolicyError            (PermissionError) a remote body the deployment's allow-list refuses
 """
 
 from __future__ import annotations
@@ -78,3 +80,8 @@ class GradientError(NNsightError, RuntimeError):
 class CacheError(NNsightError, ValueError):
     """``tracer.cache()`` called where it cannot record what it was asked to (after the body
     already read a model value, in a trace body that only sets up invokes, ...)."""
+
+
+class PolicyError(NNsightError, PermissionError):
+    """A body sent to a deployment served with an allow-list policy does something the policy
+    refuses (an import, a dunder, a call outside the list): nothing of it ran."""
