@@ -88,6 +88,13 @@ def current_mediator(envoy=None, what: str = "output") -> "Mediator":
                 "given no inputs. Such a body only sets up invokes: read module values inside a "
                 "`with tracer.invoke(...):` block, or pass the inputs to model.trace(...)."
             )
+        if getattr(_getcurrent(), "grads", None) is not None:  # a backward block's body
+            raise OutsideTraceError(
+                f"{where}.{what} was read inside a `with loss.backward():` block (at "
+                f"{user_location()}). The forward is over when backprop runs, so only gradients "
+                f"are readable there: bind `h = {where}.{what}` before the backward block and "
+                "read `h.grad` inside it."
+            )
         raise OutsideTraceError(
             f"{where}.{what} was read outside a trace body (at {user_location()}). Module values "
             "exist only while the model runs: read them inside `with model.trace(...):` (or a "

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from nnsight_lite import NNsight, OutOfOrderError
+from nnsight_lite import NNsight, OutOfOrderError, OutsideTraceError
 from nnsight_lite.errors import GradientError
 
 
@@ -164,6 +164,20 @@ class TestGradErrors:
                     loss = model.output.sum()
                     with loss.backward():
                         pass
+
+    def test_module_output_inside_backward_block_says_bind_it_before(self, seq):
+        """Reading ``.output`` inside a backward block says the forward is over and how to
+        write it (bind the value before the block), not that no trace is running; the trace's
+        hooks are gone afterwards and the model runs plainly."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with pytest.raises(OutsideTraceError, match=r"inside a `with loss.backward\(\):` block"
+                           r".*bind `h = model\[1\]\.output` before"):
+            with model.trace(x):
+                loss = model.output.sum()
+                with loss.backward():
+                    model[1].output.grad
+        torch.testing.assert_close(model(x), seq[3](seq[2](seq[1](seq[0](x)))))
 
     def test_old_idiom_reading_activation_grad(self, seq):
         model = NNsight(seq)
