@@ -19,7 +19,10 @@ the caller unchanged, after the trace has removed its hooks and finished every b
     ├── BatchingError          (ValueError)     invoke inputs that cannot form one batch
     ├── InputError             (TypeError, ValueError)  a prompt or option a wrapper cannot use
     ├── InferenceModeSwitchError (RuntimeError) waiting for a value inside torch.inference_mode()
-    └── CacheError             (ValueError)     tracer.cache() where it cannot record everything
+    ├── CacheError             (ValueError)     tracer.cache() where it cannot record everything
+    └── RemoteError            (RuntimeError)   a remote run failed outside the body (see remote/)
+        ├── RemoteTimeoutError (TimeoutError)   the body ran past the request's time limit
+        └── ResultTooLargeError (ValueError)    the saved values exceed the request's byte cap
 """
 
 from __future__ import annotations
@@ -78,3 +81,16 @@ class GradientError(NNsightError, RuntimeError):
 class CacheError(NNsightError, ValueError):
     """``tracer.cache()`` called where it cannot record what it was asked to (after the body
     already read a model value, in a trace body that only sets up invokes, ...)."""
+
+
+class RemoteError(NNsightError, RuntimeError):
+    """A remote trace could not run: no such served model, a replica died, a value could not
+    cross the wire. (An exception the body itself raises arrives as its own type.)"""
+
+
+class RemoteTimeoutError(RemoteError, TimeoutError):
+    """A remote body ran past its request's time limit and was stopped."""
+
+
+class ResultTooLargeError(RemoteError, ValueError):
+    """The values a remote body saved are more bytes than the request may return."""
