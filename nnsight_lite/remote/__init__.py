@@ -1,6 +1,6 @@
 """Run traces where the model lives: models served by Ray actors, bodies shipped to them.
 
-    serve(model, ...)     start replicas of a model on the Ray cluster (serve.py)
+    serve(model, ...)     start replicas of a model on the Ray cluster (server.py)
     stop(name)            end them; served() lists what is served
     connect(address)      join a cluster; ``remote=True`` then runs traces there (client.py)
     Backend(name)         a served model to run on: ``model.trace(x, backend=Backend("gpt2"))``
@@ -18,7 +18,7 @@ Example::
         h = model.model.layers[3].output.save()
 
 Modules: hook.py (the seam in tracing.py), wire.py (what is pickled; model references),
-execute.py (running one request on the server), batching.py (the replica's queue), serve.py
+execute.py (running one request on the server), batching.py (the replica's queue), server.py
 (replicas), client.py (connect, Backend, shipping), testing.py (small models for tests),
 ``python -m nnsight_lite.remote`` (the command line). Needs the ``remote`` extra (ray,
 cloudpickle).
@@ -27,7 +27,7 @@ cloudpickle).
 from __future__ import annotations
 
 _LAZY = {
-    "serve": "serve", "stop": "serve", "served": "serve", "load": "serve",
+    "serve": "server", "stop": "server", "served": "server", "load": "server",
     "connect": "client", "Backend": "client",
 }
 

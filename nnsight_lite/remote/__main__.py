@@ -42,7 +42,7 @@ def main(argv=None) -> int:
 
     import ray
 
-    from .serve import NAMESPACE, serve, served, stop
+    from .server import NAMESPACE, serve, served, stop
 
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
     if args.command == "serve":

@@ -24,7 +24,7 @@ import threading
 from ..errors import RemoteError, RemoteTimeoutError
 from ..mediator import _MISSING
 from . import wire
-from .serve import NAMESPACE, default_name, replicas_of, served
+from .server import NAMESPACE, default_name, replicas_of, served
 
 _default: "Backend | None" = None
 _SLACK = 30.0  # seconds the client waits past the time limit before giving up on a reply
@@ -52,6 +52,7 @@ class Backend:
         self._replicas: dict = {}
         self._turn = itertools.count()
         self._lock = threading.Lock()
+        self.last_sent = self.last_received = 0  # bytes of the last request and its reply
 
     def __repr__(self):
         return f"Backend({self.name!r})"
@@ -158,6 +159,7 @@ def run_remote(ctx, frame, model) -> None:
             f"the replica serving {name!r} died during the request for the block at "
             f"{block.filename}:{block.lineno} ({type(exc).__name__}); Ray restarts it: run "
             "the block again") from None
+    backend.last_sent, backend.last_received = len(payload), len(data)
     reply = wire.loads(data, model)
     if reply.get("stdout"):
         sys.stdout.write(reply["stdout"])

@@ -44,11 +44,11 @@ def save_tiny_gpt2(directory, seed: int = 0) -> str:
 
 def char_tokenizer():
     """A small character-level fast tokenizer built in memory (no files, no hub)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = [chr(c) for c in range(32, 127)]
     vocab = {"<eos>": 0, **{ch: i + 1 for i, ch in enumerate(chars)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
