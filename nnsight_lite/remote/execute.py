@@ -108,10 +108,13 @@ def describe(exc: BaseException, synthetic: str, filename: str) -> dict:
             line = tb.tb_lineno
         tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    text = text.replace(synthetic, filename)
+    message = str(exc)
+    if synthetic:
+        text = text.replace(synthetic, filename)
+        message = message.replace(synthetic, filename)
+        _fix_args(exc, synthetic, filename)
     exc.__traceback__ = None
     exc.__context__ = exc.__cause__ = None
-    _fix_args(exc, synthetic, filename)
     try:
         import cloudpickle
 
@@ -122,7 +125,7 @@ def describe(exc: BaseException, synthetic: str, filename: str) -> dict:
         "pickled": pickled,
         "module": type(exc).__module__,
         "qualname": type(exc).__qualname__,
-        "message": str(exc).replace(synthetic, filename),
+        "message": message,
         "location": f"{filename}:{line}" if line is not None else None,
         "traceback": text,
     }
