@@ -53,6 +53,7 @@ class Backend:
         self._turn = itertools.count()
         self._lock = threading.Lock()
         self.last_sent = self.last_received = 0  # bytes of the last request and its reply
+        self.last_batch = 0  # how many requests shared the last request's forward
 
     def __repr__(self):
         return f"Backend({self.name!r})"
@@ -134,7 +135,7 @@ def run_remote(ctx, frame, model) -> None:
     values = wire.caller_values(frame, block.names)
     request = {"source": block.source, "filename": block.filename, "lineno": block.lineno,
                "values": values, "time_limit": backend.time_limit,
-               "max_bytes": backend.max_bytes}
+               "max_bytes": backend.max_bytes, "inputs": _batch_inputs(ctx, model, block)}
     module = sys.modules.get(frame.f_globals.get("__name__", ""))
     by_value = module if module is not None and module.__name__ != "__main__" and \
         not module.__name__.startswith(("nnsight_lite", "torch")) else None
@@ -161,6 +162,7 @@ def run_remote(ctx, frame, model) -> None:
             "the block again") from None
     backend.last_sent, backend.last_received = len(payload), len(data)
     reply = wire.loads(data, model)
+    backend.last_batch = reply.get("batch", 1)
     if reply.get("stdout"):
         sys.stdout.write(reply["stdout"])
     if reply.get("error") is not None:
@@ -171,6 +173,18 @@ def run_remote(ctx, frame, model) -> None:
     from ..capture import write_back
 
     write_back(frame, reply["saved"])
+
+
+def _batch_inputs(ctx, model, block):
+    """A plain single-input trace's inputs (it may share a forward with other requests), or
+    None (it runs alone)."""
+    from ..tracing import Tracer
+
+    if type(ctx) is not Tracer or ctx._scan or block.alone or model._edits:
+        return None
+    if not (ctx._args or ctx._kwargs):
+        return None
+    return (ctx._args, ctx._kwargs)
 
 
 def rebuild(error: dict) -> BaseException:

@@ -16,8 +16,10 @@ those globals, which are what the reply carries.
 
 from __future__ import annotations
 
+import ast
 import builtins
 import contextlib
+import copy
 import ctypes
 import hashlib
 import io
@@ -26,6 +28,8 @@ import threading
 import traceback
 from collections import OrderedDict
 
+from ..capture.rewrite import rewrite_body
+from ..capture.source import remember_source, with_at
 from ..errors import RemoteTimeoutError
 from ..mediator import _MISSING
 from .hook import serving
@@ -51,6 +55,19 @@ def compiled(source: str, filename: str):
         _, (_, old) = _CODES.popitem(last=False)
         linecache.cache.pop(old, None)
     return hit
+
+
+def compile_body(source: str, filename: str, lineno: int, tail: "list | None" = None):
+    """The body of the with-statement at ``lineno`` of ``source``, compiled as capture compiles
+    a body (``x.save()`` and nested blocks rewritten), plus the statements ``tail``."""
+    tree = ast.parse(source, filename)
+    node = with_at(tree, lineno)
+    stmts = rewrite_body(copy.deepcopy(node.body)) + list(tail or ())
+    module = ast.Module(body=stmts, type_ignores=[])
+    ast.fix_missing_locations(module)
+    code = compile(module, filename, "exec", dont_inherit=True)
+    remember_source(code, source.splitlines(True))
+    return code
 
 
 def execute(request: dict, values: dict, *, time_limit: float | None = None, policy=None) -> dict:

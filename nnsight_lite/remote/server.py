@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 NAMESPACE = "nnsight_lite"
@@ -87,7 +86,7 @@ class Replica:
         self.pid = os.getpid()
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "options": self.options, "threads": threading.active_count()}
+        return {"pid": os.getpid(), "options": self.options, "runs": self._batcher.runs}
 
     async def run(self, payload: bytes) -> bytes:
         """Run one request (wire bytes in, wire bytes out)."""

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import ast
 import builtins
-import copy
 import io
 import pickle
 from collections import OrderedDict
 
 import cloudpickle
 
-from ..capture.rewrite import rewrite_body
-from ..capture.source import _body_sources, remember_source, with_at
+from ..capture.source import _body_sources
 from ..envoy import Envoy
 from ..errors import RemoteError
 
@@ -130,13 +128,15 @@ class Block:
     """A with-statement as shipped: its source (padded so line numbers are the user's), the
     user's filename, the first line, and the names it reads."""
 
-    __slots__ = ("source", "filename", "lineno", "names")
+    __slots__ = ("source", "filename", "lineno", "names", "alone")
 
-    def __init__(self, source: str, filename: str, lineno: int, names: frozenset):
+    def __init__(self, source: str, filename: str, lineno: int, names: frozenset,
+                 alone: bool = True):
         self.source = source
         self.filename = filename
         self.lineno = lineno
         self.names = names
+        self.alone = alone  # must run alone: binds the context (`as t`) or prints
 
 
 _blocks: OrderedDict = OrderedDict()  # id(body code) -> (code, Block)
@@ -169,7 +169,11 @@ def _make_block(body, first: int, last: int) -> Block:
     names = frozenset(
         n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
     )
-    return Block(source, body.filename, first, names)
+    node = next((n for n in ast.walk(tree) if isinstance(n, ast.With) and n.lineno == first),
+                None)
+    alone = node is None or any(i.optional_vars is not None for i in node.items) or \
+        "print" in names
+    return Block(source, body.filename, first, names, alone)
 
 
 def caller_values(frame, names) -> dict:
@@ -225,15 +229,12 @@ class _EditBody:
 def _with_edits(root, edits: tuple):
     if not edits:
         return root
+    from .execute import compile_body
+
     edited = root._copy()
     recorded = []
     for source, filename, lineno, values, selves in edits:
-        tree = ast.parse(source, filename)
-        node = with_at(tree, lineno)
-        module = ast.Module(body=rewrite_body(copy.deepcopy(node.body)), type_ignores=[])
-        ast.fix_missing_locations(module)
-        code = compile(module, filename, "exec", dont_inherit=True)
-        remember_source(code, source.splitlines(True))
+        code = compile_body(source, filename, lineno)
         glb = {"__builtins__": builtins, "__name__": "__nnsight_remote__"}
         recorded.append((_EditBody(code), dict(values), glb, tuple(selves)))
     edited.__dict__["_edits"] = tuple(recorded)

@@ -171,3 +171,10 @@ class TestErrorsAndOutput:
         with pytest.raises(RemoteError, match=r"no model named 'nope'.*'mlp'"):
             with model.trace(_x(), backend=remote.Backend("nope")):
                 model.output.save()
+
+
+class TestAccess:
+    def test_cluster_runs_with_token_authentication(self, cluster):
+        """The test cluster runs with Ray's token authentication on (Ray 2.60's default for a
+        local cluster), so every remote test above went through it."""
+        assert cluster["token_auth"] is True
