@@ -23,6 +23,7 @@ import ast
 import builtins
 import io
 import pickle
+import threading
 from collections import OrderedDict
 
 import cloudpickle
@@ -101,20 +102,26 @@ def dumps(obj, root, by_value=None) -> bytes:
 
     ``by_value``: a module whose functions and classes are pickled by value (the caller's own
     module, which the other side may not be able to import)."""
-    registered = False
-    if by_value is not None:
+    buf = io.BytesIO()
+    if by_value is None:
+        _Pickler(buf, root).dump(obj)
+        return buf.getvalue()
+    with _BY_VALUE:  # cloudpickle's by-value registry is process-wide: one client at a time
+        registered = False
         try:
             cloudpickle.register_pickle_by_value(by_value)
             registered = True
-        except ValueError:  # already registered, or not importable by name
+        except ValueError:  # already registered by the user, or not importable by name
             pass
-    try:
-        buf = io.BytesIO()
-        _Pickler(buf, root).dump(obj)
-        return buf.getvalue()
-    finally:
-        if registered:
-            cloudpickle.unregister_pickle_by_value(by_value)
+        try:
+            _Pickler(buf, root).dump(obj)
+        finally:
+            if registered:
+                cloudpickle.unregister_pickle_by_value(by_value)
+    return buf.getvalue()
+
+
+_BY_VALUE = threading.Lock()
 
 
 def loads(data: bytes, root):
