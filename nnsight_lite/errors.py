@@ -21,7 +21,10 @@ the caller unchanged, after the trace has removed its hooks and finished every b
     ├── InferenceModeSwitchError (RuntimeError) waiting for a value inside torch.inference_mode()
     ├── GradientError          (RuntimeError)   .grad / backward misuse (outside a backward block...)
     ├── CacheError             (ValueError)     tracer.cache() where it cannot record everything
-    └── PolicyError            (PermissionError) a remote body the deployment's allow-list refuses
+    ├── PolicyError            (PermissionError) a remote body the deployment's allow-list refuses
+    └── RemoteError            (RuntimeError)   a remote run failed outside the body (see remote/)
+        ├── RemoteTimeoutError (TimeoutError)   the body ran past the request's time limit
+        └── ResultTooLargeError (ValueError)    the saved values exceed the request's byte cap
 """
 
 from __future__ import annotations
@@ -85,3 +88,16 @@ class CacheError(NNsightError, ValueError):
 class PolicyError(NNsightError, PermissionError):
     """A body sent to a deployment served with an allow-list policy does something the policy
     refuses (an import, a dunder, a call outside the list): nothing of it ran."""
+
+
+class RemoteError(NNsightError, RuntimeError):
+    """A remote trace could not run: no such served model, a replica died, a value could not
+    cross the wire. (An exception the body itself raises arrives as its own type.)"""
+
+
+class RemoteTimeoutError(RemoteError, TimeoutError):
+    """A remote body ran past its request's time limit and was stopped."""
+
+
+class ResultTooLargeError(RemoteError, ValueError):
+    """The values a remote body saved are more bytes than the request may return."""

@@ -37,6 +37,7 @@ from .backward import _called_as_context
 from .envoy import Envoy
 from .errors import InputError, NNsightError
 from .model import NNsight
+from .remote.hook import take_backend, wants_remote
 from .tracing import Tracer, _names_read
 
 #: Keyword arguments of ``LanguageModel(...)`` that also apply to loading the config.
@@ -279,7 +280,8 @@ class LanguageModel(NNsight):
         With ``trace=False`` it runs the plain forward on the tokenized inputs and returns the
         model's output.
         """
-        self.dispatch()
+        if not (kwargs and wants_remote(kwargs)):  # remote: the weights stay on the server
+            self.dispatch()
         if not trace:
             args, kw, _ = self._batch_inputs([self._prepare_inputs(*inputs, **kwargs)])
             return self._run_forward(args, kw)
@@ -315,12 +317,19 @@ class LanguageModel(NNsight):
         tok = {k: v for k, v in kwargs.items()
                if k in prompts.TOKENIZER_KWARGS and k != "max_length"}
         gen = {k: v for k, v in kwargs.items() if k not in tok}
-        self.dispatch()
+        backend = take_backend(gen) if gen else None  # remote: the weights stay on the server
+        if backend is None:
+            self.dispatch()
+        elif not trace or not _called_as_context(sys._getframe(1)):
+            raise InputError("a remote generate runs as a with-block: `with model.generate("
+                             "prompt, remote=True): ...`, saving what it needs")
         if not trace or not _called_as_context(sys._getframe(1)):
             # `ids = model.generate(prompt)` without a with-block: the ids, as HF (and nnsight)
             args, kw, _ = self._batch_inputs([self._prepare_inputs(*inputs, **tok)])
             return self._run_generate(args, kw, gen)
-        return Generator(self, inputs, tok, gen)
+        generator = Generator(self, inputs, tok, gen)
+        generator._backend = backend
+        return generator
 
     def __call__(self, *args, **kwargs):
         self.dispatch()

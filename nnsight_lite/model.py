@@ -13,6 +13,7 @@ import torch
 from .aliases import Tree
 from .batching import batch_size_of, concat_inputs
 from .envoy import Envoy
+from .remote.hook import take_backend
 from .tracing import Editor, Session, Tracer
 
 
@@ -66,9 +67,10 @@ class NNsight(Envoy):
         """
         return Tracer(self, inputs, kwargs, scan=True)
 
-    def session(self):
-        """``with model.session():`` - traces in a row sharing values; see :class:`Session`."""
-        return Session()
+    def session(self, **kwargs):
+        """``with model.session():`` - traces in a row sharing values; see :class:`Session`.
+        ``remote=True`` / ``backend=...`` run the whole session on a served model."""
+        return Session(self, take_backend(kwargs) if kwargs else None)
 
     def edit(self, *, inplace: bool = False):
         """``with model.edit() as edited:`` - a persistent edit; see :class:`Editor`."""

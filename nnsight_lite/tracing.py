@@ -21,6 +21,7 @@ from .context import RUNTIME, BodyContext, body_job
 from .errors import InputError, NNsightError
 from .interleaver import Interleaver
 from .mediator import _MISSING, StopTrace, _collecting, current_mediator, wait_for_name
+from .remote.hook import take_backend
 from .workers import _getcurrent, user_location
 
 _CPU = torch.device("cpu")
@@ -51,6 +52,8 @@ class Tracer(BodyContext):
         self._invokes: list = []
         self._collecting = False
         self.iter = _IterIndexer()
+        # remote=True / backend=...: the block runs on a served model (nnsight_lite/remote)
+        self._backend = take_backend(kwargs) if kwargs else None
 
     # ---- user API
 
@@ -147,6 +150,10 @@ class Tracer(BodyContext):
     # ---- running
 
     def _on_exit(self, frame):
+        if self._backend is not None:
+            from .remote.client import run_remote
+
+            return run_remote(self, frame, self.model)
         self._run_in_scope(frame, self._run)
 
     def _no_source(self, err):
@@ -298,7 +305,15 @@ class Session(BodyContext):
 
     _what = "session"
 
+    def __init__(self, model=None, backend=None):
+        self._model = model
+        self._backend = backend  # remote: the whole session runs on a served model
+
     def _on_exit(self, frame):
+        if self._backend is not None:
+            from .remote.client import run_remote
+
+            return run_remote(self, frame, self._model)
         self._run_in_scope(frame, self._run)
 
     def _run(self, scope):

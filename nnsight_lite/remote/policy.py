@@ -68,8 +68,9 @@ def check_body(source: str, filename: str = "<body>", first_line: int = 1,
     fine) does something the allow-list refuses; return None if it passes.
 
     ``first_line`` is the line ``source`` starts at in ``filename``, so errors cite the user's
-    file and line. ``allow`` replaces :data:`DEFAULT_ALLOW` (names a body may call or name:
-    builtins and modules). ``values`` are the caller's values the body reads; each must be data,
+    file and line. A whole ``with`` block is checked, header included: the server runs it too.
+    ``allow`` replaces :data:`DEFAULT_ALLOW` (names a body may call or name: builtins and
+    modules). ``values`` are the caller's values the body reads; each must be data,
     an allowed module, or an instance of ``value_types``.
     """
     allow = DEFAULT_ALLOW if allow is None else frozenset(allow)

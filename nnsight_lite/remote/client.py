@@ -1,0 +1,230 @@
+"""The client side: connect to a cluster, ship a captured block, bind what comes back.
+
+    connect(address, ...)   join a Ray cluster; return a Backend (the default for remote=True)
+    Backend                 where remote traces run: a served model's replicas, with limits
+    run_remote(ctx, frame)  what a trace / session with a backend does at the end of its block
+
+Example::
+
+    from nnsight_lite import remote
+    from nnsight_lite.models import smollm2
+
+    remote.connect("auto")                          # the cluster `ray start --head` made
+    model = smollm2()                               # meta device: no weights here
+    with model.trace("The Eiffel Tower is in the city of", remote=True):
+        logits = model.lm_head.output.save()        # computed on a replica; only this returns
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+
+from ..errors import RemoteError, RemoteTimeoutError
+from ..mediator import _MISSING
+from . import wire
+from .server import NAMESPACE, default_name, replicas_of, served
+
+_default: "Backend | None" = None
+_SLACK = 30.0  # seconds the client waits past the time limit before giving up on a reply
+
+
+class Backend:
+    """Where remote traces run: the replicas serving ``name`` on the connected Ray cluster.
+
+    Example::
+
+        backend = remote.Backend("gpt2", time_limit=30)
+        with model.trace(x, backend=backend):
+            h = model.transformer.h[0].output.save()
+
+    ``name``: the served model (default: the name the traced model maps to: a LanguageModel's
+    directory name or hub id). ``time_limit`` (seconds) and ``max_bytes`` ask for less than the
+    deployment allows. Requests go to the replicas in turn.
+    """
+
+    def __init__(self, name: str | None = None, *, time_limit: float | None = None,
+                 max_bytes: int | None = None):
+        self.name = name
+        self.time_limit = time_limit
+        self.max_bytes = max_bytes
+        self._replicas: dict = {}
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+        self.last_sent = self.last_received = 0  # bytes of the last request and its reply
+        self.last_batch = 0  # how many requests shared the last request's forward
+
+    def __repr__(self):
+        return f"Backend({self.name!r})"
+
+    def name_for(self, model) -> str:
+        if self.name is not None:
+            return self.name
+        source = model.__dict__.get("_source") if model is not None else None
+        if source:
+            return default_name(source)
+        raise RemoteError(
+            f"which served model should this {type(model).__name__} run on? Name it: "
+            "remote.connect(..., name='served-name') or backend=remote.Backend('served-name') "
+            f"(served now: {served()})")
+
+    def replica(self, name: str):
+        """The next replica serving ``name`` (round robin)."""
+        with self._lock:
+            handles = self._replicas.get(name)
+            if not handles:
+                handles = self._replicas[name] = replicas_of(name)
+        if not handles:
+            raise RemoteError(
+                f"no model named {name!r} is served on this Ray cluster; served: {served()}. "
+                f"Start it with `python -m nnsight_lite.remote serve ... --name {name}`")
+        return handles[next(self._turn) % len(handles)]
+
+
+def connect(address: str | None = "auto", *, name: str | None = None,
+            time_limit: float | None = None, max_bytes: int | None = None,
+            default: bool = True, **ray_init) -> Backend:
+    """Join the Ray cluster at ``address`` (if this process has not) and return a Backend;
+    with ``default=True`` it is what ``remote=True`` uses.
+
+    Example::
+
+        remote.connect("auto")                       # `ray start --head` ran on this machine
+        remote.connect("ray://head:10001")           # Ray Client, from elsewhere
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE, **ray_init)
+    backend = Backend(name, time_limit=time_limit, max_bytes=max_bytes)
+    if default:
+        global _default
+        _default = backend
+    return backend
+
+
+def resolve_backend(backend):
+    """The Backend that ``remote=True`` / ``backend=...`` in a trace's keywords means."""
+    if isinstance(backend, Backend):
+        return backend
+    if isinstance(backend, str):
+        base = _default
+        return Backend(backend, time_limit=base.time_limit if base else None,
+                       max_bytes=base.max_bytes if base else None)
+    if backend is not None:
+        raise TypeError(f"backend= takes a remote.Backend or a served name, got {backend!r}")
+    if _default is None:
+        import ray
+
+        if not ray.is_initialized():
+            raise RemoteError("remote=True needs a cluster: call nnsight_lite.remote.connect("
+                              "address) first (or pass backend=remote.Backend(name))")
+        return Backend()
+    return _default
+
+
+def run_remote(ctx, frame, model) -> None:
+    """Ship ``ctx``'s with-block to a replica; bind what it saved in ``frame``; raise its
+    error as the same exception type, the user's file:line in the message."""
+    import ray
+    import ray.exceptions
+
+    backend = ctx._backend
+    block = wire.shipped_block(ctx._body)
+    values = wire.caller_values(frame, block.names)
+    request = {"source": block.source, "filename": block.filename, "lineno": block.lineno,
+               "values": values, "time_limit": backend.time_limit,
+               "max_bytes": backend.max_bytes, "inputs": _batch_inputs(ctx, model, block)}
+    module = sys.modules.get(frame.f_globals.get("__name__", ""))
+    by_value = module if module is not None and module.__name__ != "__main__" and \
+        not module.__name__.startswith(("nnsight_lite", "torch")) else None
+    try:
+        payload = wire.dumps(request, model, by_value)
+    except RemoteError:
+        raise
+    except Exception as exc:
+        raise RemoteError(f"the values the remote block at {block.filename}:{block.lineno} "
+                          f"reads could not be pickled: {exc!r}") from None
+    name = backend.name_for(model)
+    replica = backend.replica(name)
+    wait = None if backend.time_limit is None else backend.time_limit + _SLACK
+    try:
+        data = ray.get(replica.run.remote(payload), timeout=wait)
+    except ray.exceptions.GetTimeoutError:
+        raise RemoteTimeoutError(
+            f"no reply from model {name!r} within {wait:g} s for the block at "
+            f"{block.filename}:{block.lineno}") from None
+    except ray.exceptions.RayActorError as exc:
+        raise RemoteError(
+            f"the replica serving {name!r} died during the request for the block at "
+            f"{block.filename}:{block.lineno} ({type(exc).__name__}); Ray restarts it: run "
+            "the block again") from None
+    backend.last_sent, backend.last_received = len(payload), len(data)
+    reply = wire.loads(data, model)
+    backend.last_batch = reply.get("batch", 1)
+    if reply.get("stdout"):
+        sys.stdout.write(reply["stdout"])
+    if reply.get("error") is not None:
+        raise rebuild(reply["error"])
+    result = reply.get("result", _MISSING)
+    if result is not _MISSING:
+        ctx._result = result
+    from ..capture import write_back
+
+    write_back(frame, reply["saved"])
+
+
+def _batch_inputs(ctx, model, block):
+    """A plain single-input trace's inputs (it may share a forward with other requests), or
+    None (it runs alone)."""
+    from ..tracing import Tracer
+
+    if type(ctx) is not Tracer or ctx._scan or block.alone or model._edits:
+        return None
+    if not (ctx._args or ctx._kwargs):
+        return None
+    return (ctx._args, ctx._kwargs)
+
+
+def rebuild(error: dict) -> BaseException:
+    """The exception a remote body raised, as the same type, with the user's file:line."""
+    exc = None
+    if error["pickled"] is not None:
+        try:
+            exc = wire.loads(error["pickled"], None)
+        except Exception:  # noqa: BLE001 - a type this side cannot import
+            exc = None
+    message = error["message"]
+    where = error["location"]
+    if where and where not in message:
+        message = f"{message} (remote body, {where})"
+    if exc is None:
+        exc = _same_type(error, message)
+    else:
+        args = exc.args
+        if args and isinstance(args[0], str) and where and where not in args[0]:
+            exc.args = (f"{args[0]} (remote body, {where})",) + tuple(args[1:])
+        elif not args or not isinstance(args[0], str):
+            exc.args = (message,) if not args else args
+    if hasattr(exc, "add_note") and error.get("traceback"):
+        exc.add_note("remote traceback (on the replica):\n" + error["traceback"].rstrip())
+    return exc
+
+
+def _same_type(error: dict, message: str) -> BaseException:
+    import builtins
+    import importlib
+
+    try:
+        cls = importlib.import_module(error["module"])
+        for part in error["qualname"].split("."):
+            cls = getattr(cls, part)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            return cls(message)
+    except Exception:  # noqa: BLE001
+        pass
+    base = getattr(builtins, error["qualname"], None)
+    if isinstance(base, type) and issubclass(base, Exception):
+        return base(message)
+    return RemoteError(f"{error['module']}.{error['qualname']}: {message}")

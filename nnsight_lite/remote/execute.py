@@ -1,0 +1,214 @@
+"""Running one shipped request on the server, with the runtime as it is.
+
+    execute(model, request, ...)   run the request's with-statement against ``model``; the
+                                   reply: saved names, the traced call's result, printed text,
+                                   or the error (type, message with the user's file:line)
+    compiled(block)                the shipped source compiled once, registered in linecache
+                                   under a synthetic filename so capture finds it
+    Deadline                       stops a body that runs past its time limit
+
+The shipped with-statement is compiled as module-level code whose globals are the caller's
+values (references to the model already resolved to the served model's Envoys). Running it
+enters ``model.trace(...)`` exactly as the user's file did: capture finds the block's source in
+linecache, the body runs interleaved with the forward, and write-back binds the saved names in
+those globals, which are what the reply carries.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import copy
+import ctypes
+import hashlib
+import io
+import linecache
+import threading
+import traceback
+from collections import OrderedDict
+
+from ..capture.rewrite import rewrite_body
+from ..capture.source import remember_source, with_at
+from ..errors import PolicyError, RemoteTimeoutError
+from ..mediator import _MISSING
+from .hook import serving
+
+_CODES: OrderedDict = OrderedDict()  # (filename, source) -> (code, synthetic filename)
+_CODES_MAX = 256
+
+
+def compiled(source: str, filename: str):
+    """``source`` compiled under a synthetic filename that names the user's file (cached)."""
+    key = (filename, source)
+    hit = _CODES.get(key)
+    if hit is not None:
+        _CODES.move_to_end(key)
+        return hit
+    digest = hashlib.sha1(f"{filename}\0{source}".encode()).hexdigest()[:10]
+    synthetic = f"<remote {digest} {filename}>"
+    # mtime None: linecache.checkcache keeps the entry (it has no file to compare with)
+    linecache.cache[synthetic] = (len(source), None, source.splitlines(True), synthetic)
+    code = compile(source, synthetic, "exec", dont_inherit=True)
+    hit = _CODES[key] = (code, synthetic)
+    if len(_CODES) > _CODES_MAX:
+        _, (_, old) = _CODES.popitem(last=False)
+        linecache.cache.pop(old, None)
+    return hit
+
+
+def compile_body(source: str, filename: str, lineno: int, tail: "list | None" = None):
+    """The body of the with-statement at ``lineno`` of ``source``, compiled as capture compiles
+    a body (``x.save()`` and nested blocks rewritten), plus the statements ``tail``."""
+    tree = ast.parse(source, filename)
+    node = with_at(tree, lineno)
+    stmts = rewrite_body(copy.deepcopy(node.body)) + list(tail or ())
+    module = ast.Module(body=stmts, type_ignores=[])
+    ast.fix_missing_locations(module)
+    code = compile(module, filename, "exec", dont_inherit=True)
+    remember_source(code, source.splitlines(True))
+    return code
+
+
+def execute(request: dict, values: dict, *, time_limit: float | None = None, policy=None) -> dict:
+    """Run one request; return ``{"saved", "result", "stdout", "error"}`` (see the docstring)."""
+    source, filename = request["source"], request["filename"]
+    out = io.StringIO()
+    reply = {"saved": {}, "result": _MISSING, "stdout": "", "error": None}
+    synthetic = filename
+    try:
+        if policy is not None:
+            policy(source, filename, values)
+        code, synthetic = compiled(source, filename)
+        scope = {"__builtins__": builtins, "__name__": "__nnsight_remote__", **values}
+        before = dict(scope)
+        with Deadline(time_limit), serving(), contextlib.redirect_stdout(out):
+            exec(code, scope)
+        reply["saved"], reply["result"] = _collect(scope, before)
+    except _Stopped as exc:
+        stopped = RemoteTimeoutError(
+            f"the remote body ran past its time limit of {time_limit:g} s and was stopped; "
+            "the replica is serving other requests again (raise the limit with "
+            "connect(..., time_limit=...) up to the deployment's, or do less per request)")
+        stopped.__traceback__ = exc.__traceback__
+        reply["error"] = describe(stopped, synthetic, filename)
+    except Exception as exc:  # noqa: BLE001 - every failure goes back to the client
+        reply["error"] = describe(exc, synthetic, filename)
+    reply["stdout"] = out.getvalue()
+    return reply
+
+
+def _collect(scope: dict, before: dict):
+    from ..context import BodyContext
+
+    saved = {}
+    result = _MISSING
+    for name, value in scope.items():
+        if isinstance(value, BodyContext):
+            got = getattr(value, "_result", _MISSING)
+            if got is not _MISSING:
+                result = got
+            continue
+        if name.startswith("__") or before.get(name, _MISSING) is value:
+            continue
+        saved[name] = value
+    return saved, result
+
+
+def describe(exc: BaseException, synthetic: str, filename: str) -> dict:
+    """What the client needs to raise ``exc`` again: the exception itself (pickled if it can
+    be), its type's name, its message and the user's file:line where the body raised it."""
+    line = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == synthetic:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    if isinstance(exc, PolicyError):  # refused before anything ran: the replica's frames are noise
+        text = ""
+    message = str(exc)
+    if synthetic:
+        text = text.replace(synthetic, filename)
+        message = message.replace(synthetic, filename)
+        _fix_args(exc, synthetic, filename)
+    exc.__traceback__ = None
+    exc.__context__ = exc.__cause__ = None
+    try:
+        import cloudpickle
+
+        pickled = cloudpickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - an exception that cannot be pickled: its type and text
+        pickled = None
+    return {
+        "pickled": pickled,
+        "module": type(exc).__module__,
+        "qualname": type(exc).__qualname__,
+        "message": message,
+        "location": f"{filename}:{line}" if line is not None else None,
+        "traceback": text,
+    }
+
+
+def _fix_args(exc, synthetic, filename):
+    """Messages the runtime wrote name the synthetic file: name the user's instead."""
+    args = getattr(exc, "args", ())
+    if args and isinstance(args[0], str) and synthetic in args[0]:
+        exc.args = (args[0].replace(synthetic, filename),) + tuple(args[1:])
+
+
+# --------------------------------------------------------------------------- time limit
+
+# two prototypes of one C function (``pythonapi[name]`` makes a new one each time): raise an
+# exception in a thread, and cancel a pending one (NULL)
+_set_async_exc = ctypes.pythonapi["PyThreadState_SetAsyncExc"]
+_set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
+_clear_async_exc = ctypes.pythonapi["PyThreadState_SetAsyncExc"]
+_clear_async_exc.argtypes = (ctypes.c_ulong, ctypes.c_void_p)
+
+
+class _Stopped(RemoteTimeoutError):
+    """Raised into the serving thread when the deadline passes (created without arguments)."""
+
+    def __init__(self, *args):
+        super().__init__(*(args or ("the remote body ran past the request's time limit and "
+                                    "was stopped",)))
+
+
+class Deadline:
+    """``with Deadline(seconds):`` raises RemoteTimeoutError in this thread when time is up.
+
+    The exception is raised asynchronously (at the next bytecode the thread runs, in whatever
+    body or forward is running), so pure-Python loops stop too; the trace then cleans up as
+    after any error in a body. A pending exception not yet delivered when the block ends is
+    cancelled, so it never reaches the next request."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._running = False
+        self._timer = None
+
+    def __enter__(self):
+        if self.seconds is None:
+            return self
+        self._thread = threading.get_ident()
+        self._running = True
+        self._timer = threading.Timer(self.seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def _fire(self):
+        with self._lock:
+            if self._running:
+                _set_async_exc(self._thread, _Stopped)
+
+    def __exit__(self, *exc):
+        if self._timer is None:
+            return False
+        with self._lock:
+            self._running = False
+            _clear_async_exc(self._thread, None)  # cancel one not yet delivered
+        self._timer.cancel()
+        return False

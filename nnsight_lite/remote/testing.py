@@ -1,0 +1,54 @@
+"""Small models to serve in tests and benchmarks (importable by Ray's workers).
+
+    mlp()          NNsight of a 3-layer MLP (seeded: every process builds the same weights)
+    save_tiny_gpt2(dir)   a 2-layer GPT-2 from a config + a character tokenizer, saved to dir
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mlp(seed: int = 0, device=None):
+    """``NNsight(Sequential(Linear(8, 16), ReLU(), Linear(16, 16), ReLU(), Linear(16, 4)))``."""
+    from ..model import NNsight
+
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                  torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if device is not None:
+        net = net.to(device)
+    return NNsight(net)
+
+
+def save_tiny_gpt2(directory, seed: int = 0) -> str:
+    """Save a 2-layer GPT-2 (n_embd 32, random seeded weights) and a character-level tokenizer
+    to ``directory``; serve it and open it with ``LanguageModel(directory)``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = char_tokenizer()
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=len(tok), n_positions=64,
+                        bos_token_id=0, eos_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = GPT2LMHeadModel(config).eval()
+        with torch.no_grad():
+            for p in net.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, 0.3)
+    net.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return str(directory)
+
+
+def char_tokenizer():
+    """A small character-level fast tokenizer built in memory (no files, no hub)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {"<eos>": 0, **{ch: i + 1 for i, ch in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")

@@ -1,0 +1,248 @@
+"""What crosses the wire, and how references to the model are mapped on each side.
+
+    dumps(obj, root, by_value=None)   cloudpickle ``obj``; the model's Envoys, the root, its
+                                      tokenizer and backends become small references
+    loads(data, root)                 unpickle, resolving those references against ``root``
+                                      (the served model on the server, the meta model on the client)
+    shipped_block(body)               the with-statement's source to ship, and the names it reads
+
+Example::
+
+    data = dumps({"h": model.layer1, "x": x}, model)      # model.layer1 -> ("envoy", "layer1")
+    again = loads(data, served)                           # -> served.layer1
+
+Only the with-block's source, the caller values it reads and (on the way back) the saved
+values cross: an Envoy is pickled as its module path, never with its module, so no weights
+travel. A client model with persistent edits (``model.edit()``) travels as the root plus each
+edit's source and the values it reads; the server applies them to a copy of the served model.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import io
+import pickle
+import threading
+from collections import OrderedDict
+
+import cloudpickle
+
+from ..capture.source import _body_sources
+from ..envoy import Envoy
+from ..errors import RemoteError
+
+_PLAIN = frozenset({int, float, str, bytes, bool, type(None), tuple, list, dict})
+
+
+class _Pickler(cloudpickle.Pickler):
+    def __init__(self, file, root):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._root = root
+        d = root.__dict__ if root is not None else {}
+        self._tree = d.get("_tree")
+        self._tokenizer = d.get("_tokenizer")
+        self._generator = d.get("_generator")
+
+    def persistent_id(self, obj):
+        if type(obj) in _PLAIN:
+            return None
+        if isinstance(obj, Envoy):
+            return self._envoy_ref(obj)
+        if obj is self._tokenizer and obj is not None:
+            return ("tokenizer",)
+        from .client import Backend
+
+        if isinstance(obj, Backend):  # `backend=b` in a shipped header: the server runs it here
+            return ("none",)
+        return None
+
+    def _envoy_ref(self, envoy: Envoy):
+        d = envoy.__dict__
+        if envoy is self._generator and envoy is not None:
+            return ("generator",)
+        if d.get("_tree") is not self._tree or self._tree is None:
+            raise RemoteError(
+                f"a remote body reads {d.get('_path', 'an Envoy')}, which belongs to a model other "
+                "than the one this trace runs on remotely; only the traced model's modules can be "
+                "used in a remote body"
+            )
+        if d.get("_mpath"):
+            return ("envoy", d["_mpath"])
+        edits = d.get("_edits", ())
+        return ("root", tuple(_ship_edit(e) for e in edits))
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, root):
+        super().__init__(file)
+        self._root = root
+
+    def persistent_load(self, pid):
+        kind = pid[0]
+        root = self._root
+        if kind == "none":
+            return None
+        if kind == "tokenizer":
+            return root.tokenizer
+        if kind == "generator":
+            return root.generator
+        if kind == "envoy":
+            envoy = root
+            for part in pid[1].split("."):
+                envoy = getattr(envoy, part)
+            return envoy
+        if kind == "root":
+            return _with_edits(root, pid[1])
+        raise pickle.UnpicklingError(f"unknown reference {pid!r}")  # pragma: no cover
+
+
+def dumps(obj, root, by_value=None) -> bytes:
+    """cloudpickle ``obj`` with references to ``root``'s Envoys (see the module docstring).
+
+    ``by_value``: a module whose functions and classes are pickled by value (the caller's own
+    module, which the other side may not be able to import)."""
+    buf = io.BytesIO()
+    if by_value is None:
+        _Pickler(buf, root).dump(obj)
+        return buf.getvalue()
+    with _BY_VALUE:  # cloudpickle's by-value registry is process-wide: one client at a time
+        registered = False
+        try:
+            cloudpickle.register_pickle_by_value(by_value)
+            registered = True
+        except ValueError:  # already registered by the user, or not importable by name
+            pass
+        try:
+            _Pickler(buf, root).dump(obj)
+        finally:
+            if registered:
+                cloudpickle.unregister_pickle_by_value(by_value)
+    return buf.getvalue()
+
+
+_BY_VALUE = threading.Lock()
+
+
+def loads(data: bytes, root):
+    """Unpickle ``data``, resolving model references against ``root``."""
+    return _Unpickler(io.BytesIO(data), root).load()
+
+
+# --------------------------------------------------------------------------- the shipped block
+
+class Block:
+    """A with-statement as shipped: its source (padded so line numbers are the user's), the
+    user's filename, the first line, and the names it reads."""
+
+    __slots__ = ("source", "filename", "lineno", "names", "alone")
+
+    def __init__(self, source: str, filename: str, lineno: int, names: frozenset,
+                 alone: bool = True):
+        self.source = source
+        self.filename = filename
+        self.lineno = lineno
+        self.names = names
+        self.alone = alone  # must run alone: binds the context (`as t`) or prints
+
+
+_blocks: OrderedDict = OrderedDict()  # id(body code) -> (code, Block)
+_BLOCKS = 256
+
+
+def shipped_block(body) -> Block:
+    """The with-statement ``body`` was captured from, as shipped (cached per call site)."""
+    key = id(body.code)
+    hit = _blocks.get(key)
+    if hit is not None and hit[0] is body.code:
+        return hit[1]
+    block = _make_block(body, body.lineno, body.end_lineno)
+    _blocks[key] = (body.code, block)
+    if len(_blocks) > _BLOCKS:
+        _blocks.popitem(last=False)
+    return block
+
+
+def _make_block(body, first: int, last: int) -> Block:
+    lines = _body_sources.get(body.code)
+    if lines is None:  # pragma: no cover - every compiled body remembers its source
+        raise RemoteError(f"the source of the block at {body.filename}:{first} is not known")
+    span = lines[first - 1:last]
+    head = span[0]
+    indent = head[: len(head) - len(head.lstrip())]
+    text = "".join(ln[len(indent):] if ln.startswith(indent) else ln for ln in span)
+    source = "\n" * (first - 1) + text
+    tree = ast.parse(source, body.filename)
+    names = frozenset(
+        n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    )
+    node = next((n for n in ast.walk(tree) if isinstance(n, ast.With) and n.lineno == first),
+                None)
+    alone = node is None or any(i.optional_vars is not None for i in node.items) or \
+        "print" in names
+    return Block(source, body.filename, first, names, alone)
+
+
+def caller_values(frame, names) -> dict:
+    """The values of ``names`` in ``frame`` (locals, then globals; builtins are the server's)."""
+    f_locals = frame.f_locals
+    f_globals = frame.f_globals
+    out = {}
+    for name in names:
+        if name in f_locals:
+            out[name] = f_locals[name]
+        elif name in f_globals:
+            out[name] = f_globals[name]
+    return {k: v for k, v in out.items() if not _is_context(v) and not _is_builtin(k, v)}
+
+
+def _is_context(value) -> bool:
+    from ..context import BodyContext
+
+    return isinstance(value, BodyContext)
+
+
+def _is_builtin(name, value) -> bool:
+    return getattr(builtins, name, _NOTHING) is value
+
+
+_NOTHING = object()
+
+
+# --------------------------------------------------------------------------- edits
+
+def _ship_edit(edit) -> tuple:
+    body, snapshot, f_globals, selves = edit
+    block = _make_block(body, body.lineno, body.end_lineno)
+    values = {}
+    for name in block.names:
+        if name in snapshot:
+            values[name] = snapshot[name]
+        elif name in f_globals and name not in selves:
+            values[name] = f_globals[name]
+    values = {k: v for k, v in values.items() if not _is_builtin(k, v)}
+    return (block.source, block.filename, block.lineno, values, selves)
+
+
+class _EditBody:
+    """What Tracer._run needs of an edit's body: its code."""
+
+    __slots__ = ("code",)
+
+    def __init__(self, code):
+        self.code = code
+
+
+def _with_edits(root, edits: tuple):
+    if not edits:
+        return root
+    from .execute import compile_body
+
+    edited = root._copy()
+    recorded = []
+    for source, filename, lineno, values, selves in edits:
+        code = compile_body(source, filename, lineno)
+        glb = {"__builtins__": builtins, "__name__": "__nnsight_remote__"}
+        recorded.append((_EditBody(code), dict(values), glb, tuple(selves)))
+    edited.__dict__["_edits"] = tuple(recorded)
+    return edited

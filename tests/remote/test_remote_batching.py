@@ -1,0 +1,99 @@
+"""Concurrent clients: compatible requests arriving together at one replica run as invokes of
+one batched forward, each seeing its own rows and names; one that raises fails alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import ray
+import torch
+
+from nnsight_lite import remote
+
+
+@pytest.fixture(scope="module")
+def batching(cluster):
+    """One replica of the MLP gathering requests for 0.5 s."""
+    handles = remote.serve("nnsight_lite.remote.testing:mlp", name="mlp-batch",
+                           batch_window=0.5, num_cpus=0.25)
+    try:
+        yield handles[0]
+    finally:
+        remote.stop("mlp-batch")
+
+
+def _together(*jobs):
+    """Run each job on its own thread, released at once; their results (or exceptions)."""
+    barrier = threading.Barrier(len(jobs))
+    out = [None] * len(jobs)
+
+    def run(i, job):
+        barrier.wait()
+        try:
+            out[i] = job()
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, j)) for i, j in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_two_clients_share_one_forward(batching, mlp_model):
+    """Two clients' traces sent together run in one forward (one run on the replica); each
+    gets only its own rows and its own saved names, equal to running it alone locally."""
+    model = mlp_model
+    a, b = torch.randn(2, 8), torch.randn(3, 8)
+    scale = torch.tensor(2.0)
+
+    def client_a():
+        backend = remote.Backend("mlp-batch")
+        with model.trace(a, backend=backend):
+            model[0].output[:] = model[0].output * scale
+            out_a = model.output.save()
+        return out_a, backend.last_batch
+
+    def client_b():
+        backend = remote.Backend("mlp-batch")
+        with model.trace(b, backend=backend):
+            h_b = model[2].output.save()
+        return h_b, backend.last_batch
+
+    runs = ray.get(batching.info.remote())["runs"]
+    results = _together(client_a, client_b)
+    assert not any(isinstance(r, Exception) for r in results), results
+    (out_a, batch_a), (h_b, batch_b) = results
+    assert ray.get(batching.info.remote())["runs"] == runs + 1
+    assert batch_a == batch_b == 2
+    with model.trace(a):
+        model[0].output[:] = model[0].output * scale
+        ref_a = model.output.save()
+    with model.trace(b):
+        ref_b = model[2].output.save()
+    assert torch.allclose(out_a, ref_a) and out_a.shape == (2, 4)
+    assert torch.allclose(h_b, ref_b) and h_b.shape == (3, 16)
+
+
+def test_one_failing_request_fails_alone(batching, mlp_model):
+    """In a group where one request raises, that request gets its own error and line; the
+    other still gets its correct result."""
+    model = mlp_model
+    a, b = torch.randn(2, 8), torch.randn(2, 8)
+
+    def good():
+        with model.trace(a, backend=remote.Backend("mlp-batch")):
+            out = model.output.save()
+        return out
+
+    def bad():
+        with model.trace(b, backend=remote.Backend("mlp-batch")):
+            model[0].output.save()
+            raise LookupError("no such thing")
+
+    out, err = _together(good, bad)
+    assert isinstance(err, LookupError) and f"{__file__}:" in str(err)
+    assert torch.allclose(out, model._module(a))

@@ -1,0 +1,133 @@
+"""Limits: a body past its time limit is stopped and the replica keeps serving; saved values
+over the byte cap are refused; a replica killed mid-request gives a clear error and Ray brings
+it back."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+import ray.exceptions
+import torch
+
+from nnsight_lite import remote
+from nnsight_lite.remote.server import replicas_of
+from nnsight_lite.errors import RemoteError, RemoteTimeoutError, ResultTooLargeError
+
+MLP_FACTORY = "nnsight_lite.remote.testing:mlp"
+
+
+def _x():
+    return torch.ones(2, 8)
+
+
+def test_time_limit_stops_body_and_replica_stays_healthy(served, mlp_model):
+    """A pure-Python endless loop in a body is stopped at the time limit with
+    RemoteTimeoutError; the same replica then runs the next request correctly."""
+    model = mlp_model
+    backend = remote.Backend("mlp", time_limit=1.0)
+    backend._replicas["mlp"] = replicas_of("mlp")[:1]  # both requests go to one replica
+    start = time.perf_counter()
+    with pytest.raises(RemoteTimeoutError, match="time limit of 1 s"):
+        with model.trace(_x(), backend=backend):
+            h = model[0].output
+            while True:
+                h = h + 0
+    assert time.perf_counter() - start < 10
+    with model.trace(_x(), backend=backend):
+        out = model.output.save()
+    assert torch.allclose(out, model._module(_x()))
+
+
+def test_byte_cap(served, mlp_model):
+    """Saved values over the request's byte cap give ResultTooLargeError naming the sizes; a
+    small result under the cap comes back."""
+    model = mlp_model
+    backend = remote.Backend("mlp", max_bytes=4096)
+    with pytest.raises(ResultTooLargeError, match="big: "):
+        with model.trace(_x(), backend=backend):
+            big = model[0].output.repeat(100, 1).save()  # 200x16 floats: 12.8 kB
+    with model.trace(_x(), backend=backend):
+        small = model[0].output.save()
+    assert small.shape == (2, 16)
+    assert "big" not in locals()
+
+
+def _wait_alive(handle, timeout=60):
+    """Ping ``handle`` until Ray has restarted it (calls fail while it restarts)."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(handle.ping.remote(), timeout=timeout)
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.2)
+
+
+def test_killed_replica(cluster, mlp_model):
+    """A replica killed during a request: the client gets RemoteError saying so; Ray restarts
+    the replica and the next request works."""
+    handles = remote.serve("nnsight_lite.remote.testing:mlp", name="mlp-kill", num_cpus=0.25)
+    try:
+        model = mlp_model
+        backend = remote.Backend("mlp-kill")
+        errors = []
+
+        def client():
+            try:
+                with model.trace(_x(), backend=backend):
+                    model[0].output.save()
+                    time.sleep(30)
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                errors.append(exc)
+
+        t = threading.Thread(target=client)
+        t.start()
+        time.sleep(1.5)  # the request is running on the replica
+        ray.kill(handles[0], no_restart=False)
+        t.join(60)
+        assert not t.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], RemoteError)
+        assert "died" in str(errors[0]) and "mlp-kill" in str(errors[0])
+        _wait_alive(handles[0])
+        with model.trace(_x(), backend=backend):
+            out = model.output.save()
+        assert torch.allclose(out, model._module(_x()))
+    finally:
+        remote.stop("mlp-kill")
+
+
+def test_policy_refuses_before_running_and_passes_ordinary_bodies(served, mlp_model):
+    """A deployment served with policy=True refuses a body that imports a module, with
+    PolicyError naming the user's file and line, and nothing of the body runs (its print never
+    arrives); an ordinary body on the same deployment gives the local result."""
+    from nnsight_lite.errors import PolicyError
+
+    remote.serve(MLP_FACTORY, name="mlp-policy", replicas=1, num_cpus=0.25, policy=True)
+    try:
+        model = mlp_model
+        backend = remote.Backend("mlp-policy")
+        x = _x()  # a policy body's header may not call the caller's functions: pass data
+        with pytest.raises(PolicyError, match=rf"{__file__}:\d+: `import os.*`: a body may not "
+                                              "import modules") as info:
+            with model.trace(x, backend=backend):
+                print("this never prints")
+                import os  # noqa: F401
+        assert not getattr(info.value, "__notes__", None)  # no replica frames for a refusal
+        assert backend.last_received < 4096
+        scale = 2.0
+        with model.trace(x, backend=backend):
+            h = model[0].output.save()
+            model[0].output = model[0].output * scale
+            out = torch.nn.functional.softmax(model.output, dim=-1).save()
+        with model.trace(x):
+            h_local = model[0].output.save()
+            model[0].output = model[0].output * scale
+            out_local = torch.nn.functional.softmax(model.output, dim=-1).save()
+        torch.testing.assert_close(h, h_local)
+        torch.testing.assert_close(out, out_local)
+    finally:
+        remote.stop("mlp-policy")

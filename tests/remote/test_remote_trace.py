@@ -1,0 +1,180 @@
+"""Remote traces on the served MLP give what the same trace gives locally, and only saved
+names come back. Ground truth: the same body run locally on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nnsight_lite
+from nnsight_lite.errors import OutOfOrderError, RemoteError
+
+
+def _x(rows=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 8, generator=g)
+
+
+class TestSameResultsAsLocal:
+    def test_read_edit_replace(self, backend, mlp_model):
+        """Saved activations, an in-place edit and a replaced output equal the local run."""
+        model, x = mlp_model, _x()
+        scale = torch.tensor(3.0)
+        with model.trace(x, remote=True):
+            h0 = model[0].output.save()
+            model[1].output[:, :4] = 0
+            model[2].output = model[2].output * scale
+            out = model.output.save()
+        remote = (h0, out)
+        with model.trace(x):
+            h0 = model[0].output.save()
+            model[1].output[:, :4] = 0
+            model[2].output = model[2].output * scale
+            out = model.output.save()
+        for r, l in zip(remote, (h0, out)):
+            assert torch.equal(r, l)
+        plain = model._module(x)
+        assert not torch.equal(out, plain)  # the edits changed the result
+
+    def test_invokes_and_cross_invoke_values(self, backend, mlp_model):
+        """Several invokes batched in one forward, one patching another, equal the local run."""
+        model, a, b = mlp_model, _x(2, 1), _x(1, 2)
+
+        def run(**kw):
+            with model.trace(**kw) as tracer:
+                with tracer.invoke(a):
+                    clean = model[2].output[:1].clone().save()
+                with tracer.invoke(b):
+                    model[2].output[:] = clean
+                    patched = model.output.save()
+            return clean, patched
+
+        # a trace inside a function: the caller values are that function's locals
+        remote, local = run(remote=True), run()
+        for r, l in zip(remote, local):
+            assert torch.equal(r, l)
+
+    def test_backward_block(self, backend, mlp_model):
+        """A backward block inside a remote trace returns the same gradients as locally."""
+        model, x = mlp_model, _x()
+        with model.trace(x, remote=True):
+            h = model[2].output
+            loss = model.output.sum()
+            with loss.backward():
+                g_remote = h.grad.save()
+        with model.trace(x):
+            h = model[2].output
+            loss = model.output.sum()
+            with loss.backward():
+                g_local = h.grad.save()
+        assert torch.equal(g_remote, g_local)
+        h_ref = model._module[:3](x).detach().requires_grad_(True)
+        model._module[3:](h_ref).sum().backward()
+        assert torch.allclose(g_remote, h_ref.grad)
+
+    def test_scan(self, backend, mlp_model):
+        """model.scan(..., remote=True) gives the shapes a local scan gives."""
+        model = mlp_model
+        with model.scan(_x(5), remote=True):
+            shape = nnsight_lite.save(tuple(model[2].output.shape))
+        assert shape == (5, 16)
+
+    def test_edit(self, backend, mlp_model):
+        """A persistent edit made on the client applies on the server to the edited copy only."""
+        model, x = mlp_model, _x()
+        with model.edit() as edited:
+            edited[1].output[:] = 0
+        with edited.trace(x, remote=True):
+            out_edited = edited.output.save()
+        with model.trace(x, remote=True):
+            out_plain = model.output.save()
+        bias = model._module[2:](torch.zeros(3, 16))
+        assert torch.allclose(out_edited, bias)
+        assert torch.allclose(out_plain, model._module(x))
+
+    def test_session_training_loop(self, backend, mlp_model):
+        """A small adapter trained in a remote session ends where a local session ends; only
+        saved values come back; the session's values stay on the server between traces."""
+        model, x = mlp_model, _x(4)
+        target = torch.ones(4, 4)
+
+        def train(**kw):
+            torch.manual_seed(0)
+            adapter = torch.nn.Linear(16, 16)
+            with model.session(**kw):
+                opt = torch.optim.SGD(adapter.parameters(), lr=0.1)
+                losses = nnsight_lite.save([])
+                for _ in range(3):
+                    with model.trace(x):
+                        model[2].output = model[2].output + adapter(model[2].output)
+                        loss = ((model.output - target) ** 2).mean()
+                        loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.item())
+                weight = adapter.weight.detach().save()
+            return losses, weight
+
+        (rl, rw), (ll, lw) = train(remote=True), train()
+        assert rl == pytest.approx(ll) and rl[-1] < rl[0]
+        assert torch.allclose(rw, lw)
+
+
+class TestOnlySavedReturn:
+    def test_unsaved_names_are_not_bound(self, backend, mlp_model):
+        """Names a remote body binds without .save() are not bound in the caller."""
+        model = mlp_model
+        with model.trace(_x(), remote=True):
+            kept = model[0].output.save()
+            dropped = model[2].output  # noqa: F841
+        assert isinstance(kept, torch.Tensor)
+        assert "dropped" not in locals()
+
+
+class TestErrorsAndOutput:
+    def test_user_exception_same_type_with_location(self, backend, mlp_model):
+        """An exception raised in a remote body arrives as its own type, naming the user's
+        file and line."""
+        model = mlp_model
+        with pytest.raises(ValueError) as info:
+            with model.trace(_x(), remote=True):
+                h = model[0].output
+                raise ValueError(f"bad shape {tuple(h.shape)}")
+        line = info.tb.tb_frame.f_lineno  # not used: the message carries the body's line
+        assert "bad shape (3, 16)" in str(info.value)
+        assert f"{__file__}:" in str(info.value)
+        del line
+
+    def test_runtime_error_names_users_line(self, backend, mlp_model):
+        """The runtime's own errors (reading modules out of order) cite the user's file:line,
+        not the server's synthetic name for it."""
+        model = mlp_model
+        with pytest.raises(OutOfOrderError) as info:
+            with model.trace(_x(), remote=True):
+                model[2].output.save()
+                model[0].output.save()  # already ran
+        msg = str(info.value)
+        assert f"{__file__}:" in msg and "<remote" not in msg
+
+    def test_print_reaches_client(self, backend, mlp_model, capsys):
+        """print() in a remote body shows on the client's stdout."""
+        model = mlp_model
+        with model.trace(_x(), remote=True):
+            print("rows:", model[0].output.shape[0])
+        assert "rows: 3" in capsys.readouterr().out
+
+    def test_unknown_model_lists_served(self, served, mlp_model):
+        """A model name that is not served gives a RemoteError listing what is."""
+        from nnsight_lite import remote
+
+        model = mlp_model
+        with pytest.raises(RemoteError, match=r"no model named 'nope'.*'mlp'"):
+            with model.trace(_x(), backend=remote.Backend("nope")):
+                model.output.save()
+
+
+class TestAccess:
+    def test_cluster_runs_with_token_authentication(self, cluster):
+        """The test cluster runs with Ray's token authentication on (Ray 2.60's default for a
+        local cluster), so every remote test above went through it."""
+        assert cluster["token_auth"] is True
