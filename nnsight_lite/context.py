@@ -35,6 +35,7 @@ _PY311 = sys.version_info >= (3, 11)
 
 RUNTIME = {SAVE_NAME: save_in_body, INLINE_NAME: body_runs_inline, NAME_NAME: class_body_name}
 _INLINE = object()  # the token of a context entered from a compiled body (no line tracer)
+_UNSAVED = object()  # what a body name that was not saved maps to in the saved dict
 _NO_SOURCE = object()  # the token of a context whose body runs in place (no source: nosource.py)
 
 
@@ -126,7 +127,7 @@ class BodyContext:
         if isinstance(target, Scope) and target.keep_all:  # inside a session: keep everything
             values = dict(scope.own_items())
         else:
-            values = {k: v for k, v in dict.items(scope) if saved.get(id(v)) is v}
+            values = {k: v for k, v in dict.items(scope) if saved.get(id(v), _UNSAVED) is v}
         scope.reset()
         if stack:  # a trace nested in another body: its saves are saved there too
             stack[-1].update(saved)

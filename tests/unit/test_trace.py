@@ -64,9 +64,12 @@ class TestReading:
         with model.trace(x):
             kept = model[0].output.save()
             dropped = model[1].output  # noqa: F841
+            nothing = None  # noqa: F841 (a name bound to None was not saved either)
         assert isinstance(kept, torch.Tensor)
         with pytest.raises(NameError):
             dropped  # noqa: B018
+        with pytest.raises(NameError):
+            nothing  # noqa: B018
 
 
 class TestEditing:
