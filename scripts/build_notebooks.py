@@ -15,6 +15,7 @@ tests/notebooks checks that each committed notebook still matches its source and
 from __future__ import annotations
 
 import ast
+import base64
 import html
 import os
 import re
@@ -127,6 +128,19 @@ def finish_progress_bars(nb) -> None:
             out["data"]["text/plain"] = html.unescape(text).replace("\u2007", " ")
 
 
+def export_picture(nb, name: str) -> Path | None:
+    """Write the notebook's first picture to notebooks/images/<name>.png (the README shows one)."""
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            png = out.get("data", {}).get("image/png")
+            if png:
+                target = NOTEBOOKS / "images" / f"{name}.png"
+                target.parent.mkdir(exist_ok=True)
+                target.write_bytes(base64.b64decode(png))
+                return target
+    return None
+
+
 def build(name: str, *, run: bool = True) -> Path:
     source = SOURCES / f"{name}.py"
     nb = notebook_from_source(source)
@@ -134,6 +148,7 @@ def build(name: str, *, run: bool = True) -> Path:
         start = time.perf_counter()
         execute(nb)
         finish_progress_bars(nb)
+        export_picture(nb, name)
         print(f"{name}: executed in {time.perf_counter() - start:.0f} s")
     target = NOTEBOOKS / f"{name}.ipynb"
     nbformat.write(nb, target)

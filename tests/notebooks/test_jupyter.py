@@ -257,7 +257,10 @@ for i in range(10**6):
             g = h.grad.save()
         last = out.save()
 """, interrupt_after="looping", delay=delay, timeout=30)
-            assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt", attempt
+            # (IPython may fail to format a traceback interrupted at a line-less instruction,
+            # "Unexpected exception formatting exception": then the interrupt is on stderr)
+            interrupted = cell.error is not None and cell.error["ename"] == "KeyboardInterrupt"
+            assert interrupted or "KeyboardInterrupt" in cell.stderr, (attempt, cell)
             assert k.clean() == [], attempt
         assert k.check(EXACT_AFTER).stdout.strip() == "exact"
 
