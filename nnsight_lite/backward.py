@@ -33,9 +33,11 @@ from .mediator import _DONE
 from .workers import (
     _FINISHED,
     _take_worker,
+    attached,
     set_tls_state,
     switch_job,
     tls_state,
+    to_the_end,
     unwind,
     user_location,
 )
@@ -195,13 +197,17 @@ class Backward(BodyContext):
                 self._register(self._resume(None, self._missed_error()))
         finally:
             self._finished = True
-            for h in self._handles:
-                h.remove()
-            if not self._done:
-                unwind(self._greenlet)
+            to_the_end(self._cleanup)
             now = tls_state()
             if now != saved_state:
                 set_tls_state(saved_state, now)
+
+    def _cleanup(self) -> None:
+        """Remove the gradient hooks and unwind the body if it is still attached (idempotent)."""
+        for h in self._handles:
+            h.remove()
+        if attached(self._greenlet, self):
+            unwind(self._greenlet)
 
     def _resume(self, value, throw=None):
         """Switch into the body; return its next request, or _DONE when it has ended."""

@@ -34,8 +34,10 @@ from .errors import NNsightError, OutsideTraceError
 from .mediator import _DONE, _MISSING, INPUT, OUTPUT, Mediator, NameWait, StopTrace
 from .workers import (
     _getcurrent,
+    attached,
     set_tls_state,
     tls_state,
+    to_the_end,
     unwind,
     user_location,
 )
@@ -143,8 +145,8 @@ class Interleaver:
             return output
         finally:
             self.finished = True
-            self._uninstall()
-            self._kill_all()
+            to_the_end(self._uninstall)  # Ctrl-C part way must not leave wrappers or bodies
+            to_the_end(self._kill_all)
             now = tls_state()
             if now != saved:
                 set_tls_state(saved, now)
@@ -187,7 +189,7 @@ class Interleaver:
     def _kill_all(self) -> None:
         """Unwind every body still suspended (its ``finally`` blocks run) and free its worker."""
         for med in self.mediators:
-            if not med.done and med.greenlet is not None and not med.inline:
+            if not med.inline and attached(med.greenlet, med):
                 unwind(med.greenlet)
             med.done = True
             med.scope = med.shared = med.snapshot = med.run_fn = med.greenlet = None

@@ -110,6 +110,24 @@ def switch_job(w: BodyGreenlet, value=None, throw: BaseException | None = None):
     return req
 
 
+def to_the_end(cleanup) -> None:
+    """Run ``cleanup()``; if an interrupt (Ctrl-C's KeyboardInterrupt, raised at any bytecode)
+    stops it part way, run it once more to the end, then let the interrupt through. ``cleanup``
+    must be idempotent: what it already did is skipped the second time."""
+    try:
+        cleanup()
+    except BaseException:
+        cleanup()
+        raise
+
+
+def attached(w: "BodyGreenlet | None", owner) -> bool:
+    """Whether worker ``w`` is alive and still attached to ``owner`` (a Mediator or a
+    Backward): its job is running or suspended, or it ended but was not yet given back to the
+    pool (an interrupt between the two). Such a worker must be unwound."""
+    return w is not None and not w.dead and (w.mediator is owner or w.grads is owner)
+
+
 def unwind(w: BodyGreenlet) -> bool:
     """End the job of a worker suspended mid-body: throw ``GreenletExit`` in (the body's
     ``finally`` blocks run) until the job returns, and free the worker. A body that keeps
@@ -122,6 +140,9 @@ def unwind(w: BodyGreenlet) -> bool:
                 return True
         except BaseException:  # a body's cleanup failing must not mask the real outcome
             pass
+        if w.dead:  # it had already ended its job and was waiting to be given back
+            w.mediator = w.grads = w.error = None
+            return True
     return False
 
 
