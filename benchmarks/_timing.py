@@ -1,7 +1,8 @@
-"""Timing helpers shared by bench_core.py and bench_nnsight_peer.py (stdlib only, no torch).
+"""Timing helpers shared by every benchmark process (stdlib only: the nnsight peer uses it too).
 
-    measure(cases, rounds, inner)   median µs per case, variants interleaved round by round
-    table(rows, base)               the printed table: median µs and overhead over ``base``
+    Group                    cases measured together, interleaved, and the pairs checked equal
+    measure(cases, ...)      {case: {"median", "min", "max", "n"}} in µs, variants interleaved
+    same(a, b)               whether two results (tensors, lists, tuples, dicts) are equal
 """
 
 from __future__ import annotations
@@ -10,14 +11,30 @@ import gc
 import random
 import statistics
 import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class Group:
+    """Cases timed in one interleaved run; ``checks`` pairs whose results must be equal."""
+
+    name: str
+    cases: dict
+    checks: list = field(default_factory=list)
+    rounds: int = 30
+    inner: int = 20
+    warmup: int = 20
+    runner: "Callable | None" = None  # a custom measurement (cold start, memory) instead
 
 
 def measure(cases: dict, rounds: int, inner: int, warmup: int = 20) -> dict:
-    """Median µs of each zero-argument callable in ``cases``.
+    """Median, min and max µs of each zero-argument callable in ``cases``.
 
     Every round runs each case ``inner`` times (each call timed on its own with
     ``perf_counter_ns``), in a fresh shuffled order, so slow drift of the machine hits all cases
-    alike. ``rounds * inner`` samples per case in all.
+    alike. ``rounds * inner`` samples per case in all. The garbage collector stays on (as a
+    user has it) and also runs between rounds, so no case inherits another's garbage.
     """
     for fn in cases.values():
         for _ in range(warmup):
@@ -35,15 +52,24 @@ def measure(cases: dict, rounds: int, inner: int, warmup: int = 20) -> dict:
                 t0 = clock()
                 fn()
                 out.append(clock() - t0)
-    return {name: statistics.median(ns) / 1000 for name, ns in samples.items()}
+    return {name: stats(ns) for name, ns in samples.items()}
 
 
-def table(medians: dict, base: str, labels: dict | None = None) -> list[str]:
-    """Lines of a table: case, median µs, overhead over the ``base`` case in µs."""
-    labels = labels or {}
-    width = max(len(labels.get(n, n)) for n in medians)
-    lines = [f"{'case':<{width}}  {'median µs':>10}  {'over plain µs':>13}"]
-    for name, us in medians.items():
-        over = "" if name == base else f"{us - medians[base]:+13.1f}"
-        lines.append(f"{labels.get(name, name):<{width}}  {us:10.1f}  {over:>13}")
-    return lines
+def stats(ns: list) -> dict:
+    """``{"median", "min", "max", "n"}`` in µs of samples in ns."""
+    return {"median": statistics.median(ns) / 1000, "min": min(ns) / 1000,
+            "max": max(ns) / 1000, "n": len(ns)}
+
+
+def same(a, b) -> bool:
+    """Whether two benchmark results are equal: tensors exactly (``torch.equal``), containers
+    element by element, anything else with ``==``."""
+    if hasattr(a, "shape") and hasattr(b, "shape"):
+        import torch
+
+        return a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b

@@ -1,0 +1,27 @@
+"""The benchmark command runs, checks its cases against bare hooks and prints the table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_quick_benchmark_prints_the_table():
+    """`python -m benchmarks --quick` (rows 1, 2 and 7) exits 0 after checking every
+    nnsight_lite case equal to the same work done with bare PyTorch hooks, and prints the table
+    rows and the targets."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only",
+                           "linear,gpt2,cold"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for row in ("save all 24 outputs", "zero all 12 MLP outputs", "64 invoke(s)",
+                "first trace at a new call site"):
+        assert row in out, out
+    assert "fixed cost of a trace" in out and "one more invoke" in out, out
