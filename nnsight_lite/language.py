@@ -245,7 +245,8 @@ class LanguageModel(NNsight):
             model.dispatch()                # weights in memory; model.dispatched is True
         """
         if not self.dispatched:
-            _rebind(self, self._load())
+            shared = self.__dict__.get("_weights_from")  # an edited copy: the original's weights
+            _rebind(self, self._load() if shared is None else shared.dispatch()._module)
         return self
 
     # ---- the tokenizer and the generator
@@ -288,10 +289,13 @@ class LanguageModel(NNsight):
         return super().trace(*inputs, **kwargs)
 
     def edit(self, *, inplace: bool = False):
-        """``with model.edit() as edited:`` - see :meth:`NNsight.edit`. Loads the weights first,
-        so the edited copy and this model share one set of them."""
-        self.dispatch()
-        return super().edit(inplace=inplace)
+        """``with model.edit() as edited:`` - see :meth:`NNsight.edit`. The edited copy and this
+        model share one set of weights; on a model still on meta neither loads them until one of
+        them is used locally (a remote trace of either never does)."""
+        editor = super().edit(inplace=inplace)
+        if not inplace and not self.dispatched:
+            editor._target.__dict__["_weights_from"] = self
+        return editor
 
     def generate(self, *inputs, trace: bool = True, **kwargs) -> "Generator":
         """``with model.generate(prompt, max_new_tokens=k, **generate_kwargs) as tracer:``.

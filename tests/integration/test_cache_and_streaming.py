@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 import transformers
-from conftest import layers
+from tests.integration.conftest import layers
 
 import nnsight_lite
 

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from conftest import layers, make_tokenizer
+from tests.integration.conftest import layers, make_tokenizer
 
 from tests.helpers import cycles_left_by
 
@@ -101,6 +101,25 @@ class TestLoading:
             plain = hf(**lm.tokenizer("hello world", return_tensors="pt")).logits
         torch.testing.assert_close(logits, plain)
         assert h.shape == (1, 2, 32)
+
+    def test_edit_on_meta_loads_nothing_and_then_shares_one_set_of_weights(self, model_dirs, hf,
+                                                                            arch):
+        """``model.edit()`` on a model still on meta loads nothing; the first local trace of
+        the edited copy loads the weights once, for both: the original then uses the very same
+        parameters, and each gives its own result (edit applied or not) against plain HF."""
+        lm = quiet(LanguageModel, model_dirs[arch])
+        with lm.edit() as edited:
+            edited.lm_head.output[:] = 0
+        assert not lm.dispatched and not edited.dispatched
+        with edited.trace("hello world"):
+            zeroed = edited.lm_head.output.save()
+        assert lm.dispatched and edited._module is lm._module
+        with lm.trace("hello world"):
+            logits = lm.lm_head.output.save()
+        with torch.no_grad():
+            plain = hf(**lm.tokenizer("hello world", return_tensors="pt")).logits
+        torch.testing.assert_close(logits, plain)
+        assert torch.count_nonzero(zeroed) == 0
 
     def test_dispatch_true_loads_now(self, model_dirs, arch):
         lm = quiet(LanguageModel, model_dirs[arch], dispatch=True)

@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 import transformers
-from conftest import layers
+from tests.integration.conftest import layers
 
 from nnsight_lite import LanguageModel
 from nnsight_lite.errors import NNsightError

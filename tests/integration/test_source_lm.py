@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import layers
+from tests.integration.conftest import layers
 
 import nnsight_lite
 

@@ -93,3 +93,22 @@ class TestWire:
         weights = sum(p.numel() * 4 for p in model._module.parameters())
         assert size <= backend.last_received <= size + 2048
         assert backend.last_sent < 4096 < weights
+
+    def test_edit_of_a_meta_model_runs_remotely_without_loading(self, gpt2_meta, gpt2_local):
+        """``model.edit()`` on the client's meta model loads nothing; the edited copy's remote
+        trace equals the same edit run locally, and the unedited model is unchanged."""
+        def run(model, **kw):
+            with model.edit() as edited:
+                edited.transformer.h[0].output[:] = 0
+            with edited.trace(PROMPT, **kw):
+                logits = edited.lm_head.output.save()
+            with model.trace(PROMPT, **kw):
+                plain = model.lm_head.output.save()
+            return logits, plain
+
+        remote = run(gpt2_meta, remote=True)
+        assert not gpt2_meta.dispatched
+        local = run(gpt2_local)
+        same(remote[0], local[0])
+        same(remote[1], local[1])
+        assert not torch.allclose(remote[0], remote[1])  # the edit changed the logits
