@@ -12,6 +12,7 @@ made by a body land in the batch without copying.
 from __future__ import annotations
 
 import dataclasses
+from itertools import chain
 from typing import Any
 
 import torch
@@ -101,7 +102,7 @@ def _map(value: Any, fn):
 
 def batch_size_of(args: tuple, kwargs: dict) -> int:
     """The batch size of one invoke's inputs: the first dimension of its first tensor."""
-    for x in list(args) + list(kwargs.values()):
+    for x in chain(args, kwargs.values()) if kwargs else args:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             return x.shape[0]
     return 1

@@ -131,4 +131,4 @@ class BodyContext:
         scope.reset()
         if stack:  # a trace nested in another body: its saves are saved there too
             stack[-1].update(saved)
-        write_back(frame, values)
+        write_back(frame, values, target)

@@ -137,7 +137,7 @@ class Interleaver:
             self._install()
             try:
                 for med in self.mediators:
-                    med.start()
+                    med.start(saved)  # (each start puts the state back as it found it)
                 output = forward()
             except StopTrace:
                 self.stopped_early = True

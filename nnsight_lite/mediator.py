@@ -137,13 +137,15 @@ class Mediator:
 
     # ---- parent side
 
-    def start(self) -> None:
+    def start(self, parent_state=None) -> None:
+        """Start the body in a pooled worker and run it to its first request.
+        ``parent_state``: the caller's ``tls_state()`` where it already has it."""
         g = _take_worker()
         g.mediator = self
         g.gr_context = contextvars.copy_context()
         self.greenlet = g
         self.parent = g.parent
-        self.interleaver.register(self, self.resume(self.run_fn))
+        self.interleaver.register(self, self.resume(self.run_fn, None, parent_state))
         self.interleaver.wake()
 
     def resume(self, value, throw: BaseException | None = None, parent_state=None):

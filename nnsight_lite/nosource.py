@@ -71,12 +71,12 @@ class InlineMediator(Mediator):
 
     inline = True
 
-    def start(self) -> None:
+    def start(self, parent_state=None) -> None:
         # called on the forward greenlet by Interleaver.run: hand control back to the body,
         # which is waiting in __enter__, and register what it asks for first
         self.parent = _getcurrent()
         self.greenlet = self.user
-        self.interleaver.register(self, self.resume(None))
+        self.interleaver.register(self, self.resume(None, None, parent_state))
         self.interleaver.wake()
 
     def get(self, envoy, kind):

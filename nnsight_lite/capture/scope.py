@@ -38,10 +38,18 @@ class Scope(dict):
         self._locals = caller_locals
         self._globals = caller_globals
         b = caller_globals.get("__builtins__", builtins)
-        self._builtins = b if isinstance(b, dict) else vars(b)
-        # the entries every body needs: builtins, and what the body rewrites call
-        self._base = {"__builtins__": b, ITER_END_NAME: IterationEnd, **runtime}
-        dict.update(self, self._base)
+        cached = _bases.get((id(runtime), id(b)))
+        if cached is None or cached[0] is not runtime or cached[1] is not b or \
+                len(cached[3]) != len(runtime) + 2:
+            # the entries every body needs: builtins, and what the body rewrites call (kept for
+            # the usual builtins, which nearly every body has; never written to)
+            cached = (runtime, b, b if isinstance(b, dict) else vars(b),
+                      {"__builtins__": b, ITER_END_NAME: IterationEnd, **runtime})
+            if b is builtins or b is _BUILTINS:
+                _bases[(id(runtime), id(b))] = cached
+        self._builtins = cached[2]
+        self._base = cached[3]
+        dict.update(self, cached[3])
 
     def __missing__(self, name):
         try:
@@ -94,6 +102,10 @@ class Scope(dict):
                 yield k, v
 
 
+#: (id(runtime), id(builtins)) -> (runtime, builtins, builtins as a dict, base entries) for the usual builtins
+_bases: dict = {}
+_BUILTINS = vars(builtins)
+
 _INTERNAL = frozenset({"__builtins__", ITER_END_NAME, SAVE_NAME, GRAD_NAME, SET_GRAD_NAME,
                        INLINE_NAME, NAME_NAME})
 
@@ -122,9 +134,11 @@ if not _PY313:  # pragma: no cover - exercised on 3.10-3.12
     _locals_to_fast.restype = None
 
 
-def write_back(frame: FrameType, values: dict) -> None:
-    """Bind ``values`` in the scope of ``frame`` (module, class body, function, or a Scope)."""
-    f_locals = frame.f_locals
+def write_back(frame: FrameType, values: dict, f_locals=None) -> None:
+    """Bind ``values`` in the scope of ``frame`` (module, class body, function, or a Scope).
+    ``f_locals``: ``frame.f_locals`` where the caller has just read it (saves a second read)."""
+    if f_locals is None:
+        f_locals = frame.f_locals
     if isinstance(f_locals, Scope) or not (frame.f_code.co_flags & _CO_OPTIMIZED):
         f_locals.update(values)
         return
