@@ -146,19 +146,24 @@ def memory(lib, path=None, scale: int = 1) -> Group:
         return None
 
     def runner():
-        # warm up as long as we measure: the first traces grow caches and the modules' dicts
-        # once (~200 kB in the first 1,000 here), after which memory stays flat
-        for _ in range(n_traces):
-            one_trace()
-        gc.collect()
+        def window():
+            for _ in range(n_traces):
+                one_trace()
+            gc.collect()
+
+        window()  # warm-up: the first traces fill caches once
+        rss0, tensors0 = _status("VmRSS"), _live_tensors()
+        window()
+        rss1, tensors1 = _status("VmRSS"), _live_tensors()
+        # the heap in a window of its own, after a warm-up under tracemalloc: each trace puts a
+        # forward in and out of every module's __dict__, so the first traces under tracemalloc
+        # reallocate those dicts (at the same size) from untracked to tracked memory, which
+        # would read as ~200 kB "grown"; and tracemalloc's bookkeeping is resident memory
         tracemalloc.start()
-        rss0, heap0, tensors0 = _status("VmRSS"), tracemalloc.get_traced_memory()[0], \
-            _live_tensors()
-        for _ in range(n_traces):
-            one_trace()
-        gc.collect()
-        rss1, heap1, tensors1 = _status("VmRSS"), tracemalloc.get_traced_memory()[0], \
-            _live_tensors()
+        window()
+        heap0 = tracemalloc.get_traced_memory()[0]
+        window()
+        heap1 = tracemalloc.get_traced_memory()[0]
         tracemalloc.stop()
         out = {"retained_rss_kb": rss1 - rss0, "retained_heap_kb": (heap1 - heap0) / 1024,
                "retained_tensors": tensors1 - tensors0}
