@@ -44,7 +44,14 @@ def main(argv=None) -> int:
 
     from .server import NAMESPACE, serve, served, stop
 
-    ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+    except ConnectionError as exc:  # no cluster there, or Ray's authentication refused us
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        print(f"could not join the Ray cluster at {args.address}: {cause}\n(start one with "
+              "`ray start --head`, or give this machine the cluster's token: ~/.ray/auth_token "
+              "or RAY_AUTH_TOKEN)", file=sys.stderr)
+        return 2
     if args.command == "serve":
         serve(args.model, name=args.name, replicas=args.replicas, num_cpus=args.num_cpus,
               num_gpus=args.num_gpus, device_map=args.device_map, dtype=args.dtype,
