@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import nnsight_lite
-from nnsight_lite import BatchingError, NNsight
+from nnsight_lite import BatchingError, NNsight, OutOfOrderError
 
 
 class Masked(torch.nn.Module):
@@ -185,3 +185,30 @@ def test_nnsight_barrier_idiom_still_works(seq):
             model[0].output[:] = emb
             patched = model.output.save()
     torch.testing.assert_close(patched, seq(clean))
+
+
+def test_values_collected_per_layer_patch_a_later_invoke_layer_by_layer(seq):
+    """The README's pattern: invoke 0 appends each layer's output as it comes; invoke 1 asks
+    for its own layer output first, then copies invoke 0's in, so its output equals the clean
+    input's plain forward. A list built by a comprehension over all layers is bound only after
+    the last layer, too late for invoke 1's first layer: OutOfOrderError, nothing left behind."""
+    model = NNsight(seq)
+    clean, corrupt = torch.randn(1, 6), torch.randn(1, 6)
+    acts = []
+    with model.trace() as tracer:
+        with tracer.invoke(clean):
+            for i in range(len(seq)):
+                acts.append(model[i].output)
+        with tracer.invoke(corrupt):
+            for i in range(len(seq)):
+                h = model[i].output
+                h[:] = acts[i]
+            out = model.output.save()
+    torch.testing.assert_close(out, seq(clean))
+    with pytest.raises(OutOfOrderError, match="invoke 1 asked for model\\[0\\].output"):
+        with model.trace() as tracer:
+            with tracer.invoke(clean):
+                every = [model[i].output for i in range(len(seq))]
+            with tracer.invoke(corrupt):
+                model[0].output[:] = every[0]
+    torch.testing.assert_close(model(corrupt), seq(corrupt))
