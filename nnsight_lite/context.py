@@ -39,6 +39,12 @@ _UNSAVED = object()  # what a body name that was not saved maps to in the saved 
 _NO_SOURCE = object()  # the token of a context whose body runs in place (no source: nosource.py)
 
 
+def saved_only(items, saved: dict) -> dict:
+    """The ``(name, value)`` pairs of ``items`` whose value a body saved (``saved`` maps
+    ``id(value)`` to the value), as a dict: what a trace binds back in its caller."""
+    return {k: v for k, v in items if saved.get(id(v), _UNSAVED) is v}
+
+
 def body_job(code, scope):
     """The job a worker greenlet runs for one body (a partial: fewer objects than a closure)."""
     return functools.partial(exec, code, scope)
@@ -127,7 +133,7 @@ class BodyContext:
         if isinstance(target, Scope) and target.keep_all:  # inside a session: keep everything
             values = dict(scope.own_items())
         else:
-            values = {k: v for k, v in dict.items(scope) if saved.get(id(v), _UNSAVED) is v}
+            values = saved_only(dict.items(scope), saved)
         scope.reset()
         if stack:  # a trace nested in another body: its saves are saved there too
             stack[-1].update(saved)

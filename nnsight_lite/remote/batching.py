@@ -106,7 +106,7 @@ _COLLECT = "__nnsight_remote_collect__"
 def run_batched(model, requests: list, time_limit) -> list:
     """Run ``requests`` (single-input traces) as the invokes of one trace; their replies."""
     from ..capture import Scope
-    from ..context import RUNTIME
+    from ..context import RUNTIME, saved_only
     from ..envoy import _saved_stack
     from ..mediator import wait_for_name
     from ..tracing import Tracer
@@ -132,8 +132,7 @@ def run_batched(model, requests: list, time_limit) -> list:
             tracer._run(Scope({}, glb, RUNTIME, wait_for_name))
     finally:
         stack.pop()
-    return [{"saved": {k: v for k, v in end.items()
-                       if saved.get(id(v), _NOTHING) is v and k != _COLLECT},
+    return [{"saved": saved_only(end.items(), saved),  # (the collector is never saved)
              "result": None, "stdout": "", "error": None, "batch": len(requests)}
             for end in ends]
 

@@ -95,8 +95,9 @@ class _Checker(ast.NodeVisitor):
         self.allow = allow
         self.values = values
         self.first_use: dict = {}  # name -> the first node that reads it
+        # names the body binds (assignments, loops, defs, arguments...): calling those is fine
         self.bound = set()
-        # Names the body binds (assignments, loops, defs, arguments...): calling those is fine.
+        # names that mean torch here (the allowed name, or a caller's alias of it)
         self.torch_names = {"torch"} if "torch" in allow else set()
         self.torch_names |= {k for k, v in values.items() if _is_torch(v)}
 
