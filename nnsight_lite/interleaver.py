@@ -26,7 +26,8 @@ import threading
 import weakref
 from bisect import insort
 from collections import deque
-from itertools import chain, repeat
+from itertools import count, repeat
+from operator import eq
 
 import torch
 
@@ -49,21 +50,38 @@ _UNSWAPPED = object()  # Slot.prev_forward while the wrapper is not installed
 
 
 class Slot:
-    """Per-trace state of one module: its call counters and the bodies waiting on it."""
+    """Per-trace state of one module: its call counters and the bodies waiting on it.
 
-    __slots__ = ("module", "parent", "attr", "calls", "outs", "wait_in", "wait_out",
-                 "prev_forward", "orig")
+    The counters are reset lazily: a slot whose ``gen`` is not the running trace's serial
+    (``live.serial``) has not been called in this trace yet, so ``calls``/``outs`` read 0. A trace
+    then costs nothing per module that it does not reach.
+    """
 
-    def __init__(self, module, parent, attr):
+    __slots__ = ("module", "parent", "attr", "n_in", "n_out", "gen", "live", "wait_in",
+                 "wait_out", "prev_forward", "orig")
+
+    def __init__(self, module, parent, attr, live=None):
         self.module = module
         self.orig = None  # the forward the wrapper calls (set at every install)
         self.prev_forward = _UNSWAPPED  # the instance ``forward`` entry the wrapper replaced
         self.parent = parent  # the Slot of the module that holds this one (None at the root)
         self.attr = attr  # this module's name in its parent
-        self.calls = 0  # calls whose input stage has begun
-        self.outs = 0  # calls that have produced their output
+        self.live = live  # the plan's _Live: which trace runs now, and its serial
+        self.gen = -1  # the serial of the trace the counters below count for
+        self.n_in = 0  # calls whose input stage has begun
+        self.n_out = 0  # calls that have produced their output
         self.wait_in = {}
         self.wait_out = {}
+
+    @property
+    def calls(self) -> int:
+        """Calls of this module in the running trace whose input stage has begun."""
+        return self.n_in if self.gen == self.live.serial else 0
+
+    @property
+    def outs(self) -> int:
+        """Calls of this module in the running trace that have produced their output."""
+        return self.n_out if self.gen == self.live.serial else 0
 
     @property
     def name(self) -> str:
@@ -277,6 +295,7 @@ class Interleaver:
         if plan.flat is None:
             _traced.add(self.root)
         plan.inter = self
+        plan.live.serial = next(_serials)  # every slot's counters now read 0 (see Slot)
         self._plan = plan
         self.slots = plan.slots
         if plan.bulk is not None and plan.flat[0][0] is self.root:
@@ -289,14 +308,13 @@ class Interleaver:
             flat = self._walk(plan)
         self.slots = plan.slots
         for module, slot, _, wrapper in flat:
-            slot.calls = slot.outs = 0
             d = module.__dict__
             slot.prev_forward = d.get("forward", _MISSING)
             slot.orig = module.forward
             d["forward"] = wrapper
         # the next trace can swap them all at once, unless a module has a forward of its own
         own = any(s.prev_forward is not _MISSING for _, s, _, _ in flat)
-        plan.bulk = None if own else _Bulk(flat)
+        plan.bulk = None if own else _Bulk.of(flat)
 
     def _walk(self, plan: "_Plan") -> list:
         """Walk the module tree (pre-order, each module once): make or reuse each module's Slot
@@ -315,7 +333,7 @@ class Interleaver:
                 continue
             slot = old.get(key)
             if slot is None or slot.module is not module:
-                slot = Slot(module, parent, attr)
+                slot = Slot(module, parent, attr, plan.live)
                 wrapper = _wrapper(slot, plan.live)
             else:
                 slot.parent = parent
@@ -399,12 +417,14 @@ class Interleaver:
 
 
 class _Live:
-    """What the wrappers of one plan read at every call: the trace running now (or None)."""
+    """What the wrappers of one plan read at every call: the trace running now (or None) and
+    its serial number (unique per trace; a slot counting for another serial reads 0 calls)."""
 
-    __slots__ = ("inter",)
+    __slots__ = ("inter", "serial")
 
     def __init__(self):
         self.inter = None
+        self.serial = 0
 
 
 class _Plan:
@@ -440,13 +460,15 @@ class _Bulk:
     few C-level loops (``map``) instead of a Python loop over the modules (SmolLM2's 397
     modules: about half the time).
 
-    Valid while the tree is the same (its children's names and objects, checked in bulk), no
-    module has a ``forward`` of its own in its ``__dict__`` and each class's ``forward`` is the
-    function the slot's ``orig`` was bound to (both checked); else the per-module path runs.
+    Valid while the tree is the same (every module's children, names and objects, compared with
+    a copy of its ``_modules`` from the walk), no module has a ``forward`` of its own in its
+    ``__dict__``, each module's class is the one it had, and each of those classes' ``forward``
+    is still the function the slots' ``orig`` are bound to (all checked); else the per-module
+    path runs.
     """
 
-    __slots__ = ("dicts", "wrappers", "slots", "modules", "types", "funcs", "leaves", "inner",
-                 "names", "children", "waits")
+    __slots__ = ("dicts", "wrappers", "slots", "modules", "types", "classes", "funcs", "leaves",
+                 "inner", "snaps", "waits")
 
     def __init__(self, flat):
         self.modules = [m for m, _, _, _ in flat]
@@ -454,29 +476,36 @@ class _Bulk:
         self.wrappers = [w for _, _, _, w in flat]
         self.slots = [s for _, s, _, _ in flat]
         self.types = [type(m) for m in self.modules]
-        self.funcs = [getattr(s.orig, "__func__", None) for s in self.slots]
+        self.classes = list(dict.fromkeys(self.types))
+        self.funcs = [getattr(c, "forward", None) for c in self.classes]
         self.leaves = [m._modules for m, _, c, _ in flat if not c]
         self.inner = [m._modules for m, _, c, _ in flat if c]
-        self.names = [n for _, _, c, _ in flat for n, _ in c]
-        self.children = [m for _, _, c, _ in flat for _, m in c]
+        self.snaps = [dict(c) for _, _, c, _ in flat if c]
         self.waits = [s.wait_in for s in self.slots] + [s.wait_out for s in self.slots]
+
+    @classmethod
+    def of(cls, flat) -> "_Bulk | None":
+        """A _Bulk of ``flat``, or None where a slot does not run its class's ``forward``."""
+        bulk = cls(flat)
+        funcs = dict(zip(bulk.classes, bulk.funcs))
+        for t, s in zip(bulk.types, bulk.slots):
+            if funcs[t] is None or getattr(s.orig, "__func__", None) is not funcs[t]:
+                return None
+        return bulk
 
 
 _FORWARD = repeat("forward")
-_ZERO = repeat(0)
 _drain = deque(maxlen=0).extend  # runs an iterator to its end at C speed, keeping nothing
-_set_calls = Slot.calls.__set__
-_set_outs = Slot.outs.__set__
+_serials = count(1)  # trace serial numbers (_Live.serial)
 
 
 def _bulk_install(b: _Bulk) -> bool:
     """Swap in every wrapper of ``b`` at once; False (and nothing swapped) where ``b`` no
     longer describes the model."""
     if (any(b.leaves)  # a leaf got children
-            or list(chain.from_iterable(map(dict.values, b.inner))) != b.children
-            or list(chain.from_iterable(map(dict.keys, b.inner))) != b.names
+            or not all(map(eq, b.inner, b.snaps))  # a child added, removed, replaced, renamed
             or list(map(type, b.modules)) != b.types  # (``module.__class__ = ...``)
-            or list(map(getattr, b.types, _FORWARD)) != b.funcs):  # a class's forward replaced
+            or list(map(getattr, b.classes, _FORWARD)) != b.funcs):  # a class's forward replaced
         return False
     dicts, wrappers = b.dicts, b.wrappers
     # one pass puts every wrapper in and says whether a module has a forward of its own now
@@ -485,8 +514,6 @@ def _bulk_install(b: _Bulk) -> bool:
             if d.get("forward") is w:
                 del d["forward"]
         return False
-    _drain(map(_set_calls, b.slots, _ZERO))
-    _drain(map(_set_outs, b.slots, _ZERO))
     return True
 
 
@@ -517,13 +544,17 @@ def _wrapper(slot: Slot, live: _Live):
         if inter is None or _getcurrent() is not inter.runner:
             # a body calling a module itself (not counted), or a call outside the trace
             return slot.orig(*args, **kwargs)
-        call = slot.calls
-        slot.calls = call + 1
+        if slot.gen == live.serial:
+            call = slot.n_in
+        else:  # the first call in this trace
+            slot.gen = live.serial
+            call = slot.n_out = 0
+        slot.n_in = call + 1
         if slot.wait_in and call in slot.wait_in:
             args, kwargs, out = inter._serve_input(slot, call, args, kwargs)
         else:
             out = slot.orig(*args, **kwargs)
-        slot.outs += 1
+        slot.n_out += 1
         if slot.wait_out and call in slot.wait_out:
             out = inter._serve_output(slot, call, out)
         return out

@@ -283,10 +283,12 @@ class OpSlot(Slot):
     ``children`` hold the slots of a called function's operations (nested ``.source``).
     """
 
-    __slots__ = ("path", "drill", "children", "fn", "made", "comp", "error")
+    # plain counters (an operation slot lives for one trace only): they shadow Slot's properties
+    __slots__ = ("path", "drill", "children", "fn", "made", "comp", "error", "calls", "outs")
 
     def __init__(self, owner: Slot, path: str):
         super().__init__(owner.module, owner, path)
+        self.calls = self.outs = 0
         self.path = path
         self.drill = False  # a body asked for .source of this operation
         self.children = {}

@@ -6,9 +6,11 @@ left exactly as it was."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from nnsight_lite import NNsight
+from nnsight_lite import NNsight, save
+from nnsight_lite.errors import MissedModuleError
 from tests.helpers import record
 
 
@@ -109,3 +111,72 @@ class TestBetweenTraces:
         del net[2].forward
         assert torch.equal(_trace_out(model, x, 2), net(x))
         assert "forward" not in net[2].__dict__
+
+    def test_a_module_class_swapped_between_traces_is_run(self):
+        """``module.__class__ = Other`` between traces: the next trace runs Other's forward."""
+
+        class Double(torch.nn.Module):
+            def forward(self, x):
+                return x * 2
+
+        class Triple(torch.nn.Module):
+            def forward(self, x):
+                return x * 3
+
+        net = torch.nn.Sequential(Double())
+        model = NNsight(net)
+        x = torch.ones(2, 4)
+        assert torch.equal(_trace_out(model, x, 0), x * 2)
+        assert torch.equal(_trace_out(model, x, 0), x * 2)
+        net[0].__class__ = Triple
+        assert torch.equal(_trace_out(model, x, 0), x * 3)
+
+
+class _Gate(torch.nn.Module):
+    """Runs ``inner`` ``times`` times (a number set between traces)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.times = 3
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = self.inner(x)
+        return x
+
+
+class TestCountsPerTrace:
+    """Call counts start from zero in every trace, whatever the last trace counted."""
+
+    def test_each_trace_counts_its_own_calls(self):
+        """Reading calls 0-2 of a module run three times gives the same values trace after trace
+        (equal to hooks), though the last trace left its counter at 3."""
+        torch.manual_seed(0)
+        net = _Gate()
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+        seen, _ = record(net, ["inner"], x)
+        for _ in range(3):
+            with model.trace(x):
+                got = save([model.inner.output, model.inner.next().output,
+                            model.inner.next().output])
+            assert all(torch.equal(got[i], seen[("inner", i)]) for i in range(3))
+
+    def test_a_module_that_ran_last_trace_but_not_now_is_reported(self):
+        """A module that ran in the previous trace but not in this one is 'never ran', not
+        'already ran' (its old count does not leak into the new trace)."""
+        torch.manual_seed(0)
+        net = _Gate()
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+        with model.trace(x):
+            model.inner.output.save()
+        net.times = 0
+        with pytest.raises(MissedModuleError, match="never ran"):
+            with model.trace(x):
+                model.inner.output.save()
+        net.times = 1
+        with pytest.raises(MissedModuleError, match="ran only 1 time"):
+            with model.trace(x):
+                model.inner.next().output.save()
