@@ -350,23 +350,26 @@ class LanguageModel(NNsight):
 
     def _prepare_inputs(self, *args, **kwargs):
         """One invoke's prompt as ``((), {"input_ids", "attention_mask", ...}, rows)``."""
-        return prompts.prepare(self.tokenizer, self._vocab_size(), args, kwargs)
-
-    def _vocab_size(self):
-        try:
-            emb = self._module.get_input_embeddings()
-            return emb.num_embeddings
-        except (AttributeError, NotImplementedError):
-            return None
+        return prompts.prepare(self.tokenizer, args, kwargs)
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return 0 if pad is None else pad
 
     def _batch_inputs(self, prepared: list):
-        """Left-pad every invoke's rows to one length and stack them (one forward)."""
-        args, kwargs, sizes = prompts.batch(prepared, self._pad_id(), self._takes_position_ids())
-        device = self._input_device()
+        """Left-pad every invoke's rows to one length and stack them (one forward); check the
+        ids against the vocabulary; move them to the input embedding's device."""
+        try:
+            emb = self._module.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            emb = None
+        vocab = getattr(emb, "num_embeddings", None)
+        args, kwargs, sizes = prompts.batch(prepared, self.tokenizer, vocab,
+                                            self._takes_position_ids())
+        try:
+            device = emb.weight.device
+        except AttributeError:
+            device = None
         if device is not None:
             kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                       for k, v in kwargs.items()}
@@ -382,12 +385,6 @@ class LanguageModel(NNsight):
                 takes = False
             _TAKES_POSITION_IDS[cls] = takes
         return takes
-
-    def _input_device(self):
-        try:
-            return self._module.get_input_embeddings().weight.device
-        except (AttributeError, NotImplementedError):
-            return None
 
     # ---- generation
 
