@@ -16,8 +16,9 @@ list of ints, a list of lists, a 1-D or 2-D integer tensor), or a dict / ``Batch
 (``max_length``, ``truncation``, ``add_special_tokens``, ...) go to the tokenizer, per invoke;
 the others go to the model's forward (``trace``) or to HF ``generate`` (``generate``).
 
-Batching: every invoke is tokenized on its own, then all are left-padded to one length, so the
-last position holds every prompt's last token. Where there is padding and the model's forward
+Batching: every invoke gets the rows it would get tokenized on its own, left-padded to one
+length, so the last position holds every prompt's last token (text without tokenizer options
+goes through the tokenizer in one call for all invokes; token-id tensors are taken as they are). Where there is padding and the model's forward
 takes ``position_ids``, they are computed from the attention mask as HF ``generate`` does, so a
 prompt's activations do not depend on the other prompts of the batch (GPT-2's absolute position
 embeddings would otherwise shift with the padding).
