@@ -18,10 +18,11 @@ the others go to the model's forward (``trace``) or to HF ``generate`` (``genera
 
 Batching: every invoke gets the rows it would get tokenized on its own, left-padded to one
 length, so the last position holds every prompt's last token (text without tokenizer options
-goes through the tokenizer in one call for all invokes; token-id tensors are taken as they are). Where there is padding and the model's forward
-takes ``position_ids``, they are computed from the attention mask as HF ``generate`` does, so a
-prompt's activations do not depend on the other prompts of the batch (GPT-2's absolute position
-embeddings would otherwise shift with the padding).
+goes through the tokenizer in one call for all invokes; token-id tensors are taken as they
+are). Where there is padding and the model's forward takes ``position_ids``, they are computed
+from the attention mask as HF ``generate`` does, so a prompt's activations do not depend on the
+other prompts of the batch (GPT-2's absolute position embeddings would otherwise shift with
+the padding).
 """
 
 from __future__ import annotations
