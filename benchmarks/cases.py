@@ -143,10 +143,13 @@ def tiny_gpt2():
 
 def gpt2(lib, scale: int = 1) -> Group:
     """Row 2: one block, all blocks, all MLP outputs zeroed; N invokes each saving the last
-    block (the plain side: one forward of the N prompts batched, one hook)."""
+    block (the plain side: one forward of the N prompts batched, one hook), through
+    LanguageModel and through the plain NNsight wrapper (``nn_invokes``: no tokenizer, no
+    attention mask; the difference is LanguageModel's own input handling)."""
     hf = tiny_gpt2()
     tok = tokenizer()
     model = lib.LanguageModel(hf, tokenizer=tok)
+    bare = lib.NNsight(hf)
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]
     assert ids.shape == (1, PROMPT_LEN), ids.shape
     blocks = list(hf.transformer.h)
@@ -190,12 +193,12 @@ def gpt2(lib, scale: int = 1) -> Group:
     def hooks_invokes(n):
         return list(saved_by_hooks(lambda: hf(batched[n]), [blocks[-1]])[0].split(1))
 
-    def lib_invokes(n):
-        with model.trace() as tracer:
+    def lib_invokes(n, wrapper=model):
+        with wrapper.trace() as tracer:
             outs = save([])
             for p in prompts[n]:
                 with tracer.invoke(p):
-                    outs.append(model.transformer.h[-1].output)
+                    outs.append(wrapper.transformer.h[-1].output)
         return outs
 
     cases = {"plain": plain}
@@ -206,7 +209,9 @@ def gpt2(lib, scale: int = 1) -> Group:
     for n in INVOKES:
         cases[f"hooks.invokes_{n}"] = lambda n=n: hooks_invokes(n)
         cases[f"lib.invokes_{n}"] = lambda n=n: lib_invokes(n)
+        cases[f"lib.nn_invokes_{n}"] = lambda n=n: lib_invokes(n, bare)
         checks.append((f"lib.invokes_{n}", f"hooks.invokes_{n}"))
+        checks.append((f"lib.nn_invokes_{n}", f"hooks.invokes_{n}"))
     return Group("gpt2", cases, checks, rounds=20, inner=10, warmup=10)
 
 

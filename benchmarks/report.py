@@ -24,6 +24,9 @@ ROWS = [
     ("2", "gpt2", f"{n} invoke(s), each saving the last block (base: {n} batched)",
      f"hooks.invokes_{n}", f"lib.invokes_{n}", f"hooks.invokes_{n}") for n in INVOKES
 ] + [
+    ("2", "gpt2", f"the same, {n} invoke(s), plain NNsight wrapper (no tokenizer, no mask)",
+     f"hooks.invokes_{n}", f"lib.nn_invokes_{n}", f"hooks.invokes_{n}") for n in INVOKES
+] + [
     ("3", "grads", "forward + backward reading 1 block grad (retain_grad)", "hooks.grad_1",
      "lib.grad_1", "plain"),
     ("3", "grads", "forward + backward reading 12 block grads", "hooks.grad_12", "lib.grad_12",
@@ -143,10 +146,17 @@ def targets(ours, peer) -> list[str]:
         hook = (m("gpt2", "hooks.save_all") - m("gpt2", "hooks.save_one")) / (GPT_LAYERS - 1)
         line("each block read, row 2", f"{lite:.2f} µs vs the hook's {hook:.2f} µs = "
              f"{lite / hook:.2f}x", "<= 1.1x", lite <= 1.1 * hook)
-        over = [m("gpt2", f"lib.invokes_{n}") - m("gpt2", f"hooks.invokes_{n}") for n in INVOKES]
-        a, b = _fit(INVOKES, over)
+
+        def slope(key):  # both against the same base: the N prompts batched, one hook
+            over = [m("gpt2", f"lib.{key}_{n}") - m("gpt2", f"hooks.invokes_{n}")
+                    for n in INVOKES]
+            return None if None in over else _fit(INVOKES, over)
+
+        a, b = slope("invokes")
+        bare = slope("nn_invokes")
+        extra = "" if bare is None else f"; plain NNsight wrapper {bare[1]:.2f} µs"
         line("one more invoke (row 2, slope over 1..64 invokes)", f"{b:.2f} µs (intercept "
-             f"{a:.1f} µs)", "< 6 µs", b < 6)
+             f"{a:.1f} µs{extra})", "< 6 µs", b < 6)
     if "generate" in g:
         r = m("generate", "lib.generate") / m("generate", "hooks.generate")
         line("generate 50 tokens against plain generate with hooks (row 4)", f"{r:.3f}x",

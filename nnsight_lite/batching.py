@@ -127,7 +127,7 @@ def concat_inputs(inputs: list[tuple[tuple, dict]], sizes: list[int] | None = No
             + ", ".join(f"invoke {i}: {len(a)}" for i, (a, _) in enumerate(inputs))
             + "; give every invoke the same kind of input"
         )
-    keys = [tuple(sorted(k)) for _, k in inputs]
+    keys = [tuple(sorted(k)) if k else () for _, k in inputs]
     if len(set(keys)) != 1:
         raise BatchingError(
             "invokes pass different keyword inputs: "
@@ -142,6 +142,14 @@ def concat_inputs(inputs: list[tuple[tuple, dict]], sizes: list[int] | None = No
 
 def _concat_one(values: list, what: str):
     if all(isinstance(v, torch.Tensor) for v in values):
+        dtype, dims = values[0].dtype, values[0].dim()
+        # torch.cat would promote mixed dtypes and skip empty 1-D tensors: only when neither
+        # can happen does it decide alone; where it refuses, the checks below say why
+        if all(v.dtype == dtype and v.dim() == dims for v in values):
+            try:
+                return torch.cat(values, 0)
+            except RuntimeError:
+                pass
         shapes = [tuple(v.shape) for v in values]
         dtypes = [v.dtype for v in values]
         if any(v.dim() == 0 for v in values) or len({s[1:] for s in shapes}) != 1:

@@ -16,11 +16,13 @@ list of ints, a list of lists, a 1-D or 2-D integer tensor), or a dict / ``Batch
 (``max_length``, ``truncation``, ``add_special_tokens``, ...) go to the tokenizer, per invoke;
 the others go to the model's forward (``trace``) or to HF ``generate`` (``generate``).
 
-Batching: every invoke is tokenized on its own, then all are left-padded to one length, so the
-last position holds every prompt's last token. Where there is padding and the model's forward
-takes ``position_ids``, they are computed from the attention mask as HF ``generate`` does, so a
-prompt's activations do not depend on the other prompts of the batch (GPT-2's absolute position
-embeddings would otherwise shift with the padding).
+Batching: every invoke gets the rows it would get tokenized on its own, left-padded to one
+length, so the last position holds every prompt's last token (text without tokenizer options
+goes through the tokenizer in one call for all invokes; token-id tensors are taken as they
+are). Where there is padding and the model's forward takes ``position_ids``, they are computed
+from the attention mask as HF ``generate`` does, so a prompt's activations do not depend on the
+other prompts of the batch (GPT-2's absolute position embeddings would otherwise shift with
+the padding).
 """
 
 from __future__ import annotations
@@ -350,23 +352,26 @@ class LanguageModel(NNsight):
 
     def _prepare_inputs(self, *args, **kwargs):
         """One invoke's prompt as ``((), {"input_ids", "attention_mask", ...}, rows)``."""
-        return prompts.prepare(self.tokenizer, self._vocab_size(), args, kwargs)
-
-    def _vocab_size(self):
-        try:
-            emb = self._module.get_input_embeddings()
-            return emb.num_embeddings
-        except (AttributeError, NotImplementedError):
-            return None
+        return prompts.prepare(self.tokenizer, args, kwargs)
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return 0 if pad is None else pad
 
     def _batch_inputs(self, prepared: list):
-        """Left-pad every invoke's rows to one length and stack them (one forward)."""
-        args, kwargs, sizes = prompts.batch(prepared, self._pad_id(), self._takes_position_ids())
-        device = self._input_device()
+        """Left-pad every invoke's rows to one length and stack them (one forward); check the
+        ids against the vocabulary; move them to the input embedding's device."""
+        try:
+            emb = self._module.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            emb = None
+        vocab = getattr(emb, "num_embeddings", None)
+        args, kwargs, sizes = prompts.batch(prepared, self.tokenizer, vocab,
+                                            self._takes_position_ids())
+        try:
+            device = emb.weight.device
+        except AttributeError:
+            device = None
         if device is not None:
             kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                       for k, v in kwargs.items()}
@@ -382,12 +387,6 @@ class LanguageModel(NNsight):
                 takes = False
             _TAKES_POSITION_IDS[cls] = takes
         return takes
-
-    def _input_device(self):
-        try:
-            return self._module.get_input_embeddings().weight.device
-        except (AttributeError, NotImplementedError):
-            return None
 
     # ---- generation
 

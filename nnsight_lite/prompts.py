@@ -3,8 +3,9 @@ not exported from the package).
 
     TOKENIZER_KWARGS    the keywords that go to the tokenizer (per invoke)
     prepare(...)        one invoke's prompt as ((), {"input_ids", "attention_mask", ...}, rows)
-    batch(...)          several invokes' prepared inputs left-padded into one batch
+    batch(...)          several invokes' prepared inputs left-padded into one batch, ids checked
     encode(...)         one prompt as (input_ids, attention_mask, other keys)
+    tokenize(...)       texts as (input_ids, attention_mask, other keys), left-padded
     with_pad_token(tok) give a tokenizer without a pad token its eos token (with a warning)
 
 Accepted prompts: a string, a list of strings, token ids (a list of ints, a list of lists of
@@ -28,20 +29,36 @@ TOKENIZER_KWARGS = frozenset({
     "add_special_tokens", "padding", "truncation", "max_length", "stride", "is_split_into_words",
     "pad_to_multiple_of", "padding_side", "return_token_type_ids", "verbose",
 })
+_MASK_WITH_TEXT = (
+    "attention_mask=... was given with a text prompt; the tokenizer makes the mask for text. "
+    "Pass token ids with their mask instead"
+)
 ACCEPTS = (
     "a string, a list of strings, token ids (a list of ints, a list of lists of ints, or a "
     "1-D/2-D integer tensor), or a dict/BatchEncoding with 'input_ids'"
 )
 
 
-def prepare(tokenizer, vocab: int | None, args: tuple, kwargs: dict):
+def prepare(tokenizer, args: tuple, kwargs: dict):
     """One invoke's prompt as ``((), {"input_ids", "attention_mask", ...}, rows)``.
 
     Example::
 
-        _, kw, rows = prepare(tokenizer, 50257, (["Hello world", "Hi"],), {"max_length": 8})
+        _, kw, rows = prepare(tokenizer, (["Hello world", "Hi"],), {"max_length": 8})
         kw["input_ids"].shape, kw["attention_mask"][1]     # (2, 2), tensor([0, 1]) for GPT-2
+
+    ``attention_mask`` is None where every position is a token (token ids given as a tensor,
+    no mask): ``batch`` makes one mask for all such rows. Text without tokenizer options is
+    left as ``input_ids=Texts([...])``: ``batch`` tokenizes every such invoke in one tokenizer
+    call. Token ids are checked against the vocabulary in ``batch``, once for the whole batch.
     """
+    if not kwargs and len(args) == 1:  # token ids as a tensor, nothing else: the usual loop
+        ids = args[0]
+        if type(ids) is torch.Tensor and ids.dtype is torch.long and 0 < ids.dim() <= 2 and \
+                ids.numel():
+            if ids.dim() == 1:
+                ids = ids.unsqueeze(0)
+            return (), {"input_ids": ids, "attention_mask": None}, ids.shape[0]
     kwargs = dict(kwargs)
     tok_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in TOKENIZER_KWARGS}
     if len(args) > 1:
@@ -59,14 +76,16 @@ def prepare(tokenizer, vocab: int | None, args: tuple, kwargs: dict):
             prompt["attention_mask"] = kwargs.pop("attention_mask")
     else:
         raise InputError(f"no prompt given; pass {ACCEPTS}")
+    if not tok_kwargs and _is_text(prompt):  # tokenized with the other invokes' text, in batch
+        texts = Texts(_texts(prompt))
+        if "attention_mask" in kwargs:
+            raise InputError(_MASK_WITH_TEXT)
+        return (), {"input_ids": texts, "attention_mask": None, **kwargs}, len(texts)
     ids, mask, extra = encode(tokenizer, prompt, tok_kwargs)
-    check_ids(ids, mask, vocab)
+    check_not_empty(ids, mask)
     if "attention_mask" in kwargs:
         if extra.get("_from_text"):
-            raise InputError(
-                "attention_mask=... was given with a text prompt; the tokenizer makes the "
-                "mask for text. Pass token ids with their mask instead"
-            )
+            raise InputError(_MASK_WITH_TEXT)
         mask = _as_ids(kwargs.pop("attention_mask"), "attention_mask")
         if mask.shape != ids.shape:
             raise InputError(
@@ -80,26 +99,10 @@ def prepare(tokenizer, vocab: int | None, args: tuple, kwargs: dict):
 
 def encode(tokenizer, prompt, tok_kwargs: dict):
     """``(input_ids, attention_mask, other_keys)`` of one prompt, padded on the left."""
-    if isinstance(prompt, str) or (
-        isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt)
-    ):
-        texts = [prompt] if isinstance(prompt, str) else list(prompt)
-        for i, t in enumerate(texts):
-            if not t:
-                where = "" if isinstance(prompt, str) else f" (item {i} of the list)"
-                raise InputError(
-                    f"empty prompt{where}: there is no token to run the model on; give "
-                    "it some text"
-                )
-        tok_kwargs = {"padding": True, "padding_side": "left", **tok_kwargs}
-        enc = tokenizer(texts, return_tensors="pt", **tok_kwargs)
-        ids = enc["input_ids"]
-        mask = enc.get("attention_mask")
-        if mask is None:
-            mask = torch.ones_like(ids)
-        extra = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+    if _is_text(prompt):
+        ids, mask, extra = tokenize(tokenizer, _texts(prompt), tok_kwargs)
         extra["_from_text"] = True
-        return ids, mask.to(ids.dtype), extra
+        return ids, mask, extra
     if tok_kwargs:
         raise InputError(
             f"tokenizer options {sorted(tok_kwargs)} apply to text prompts only, but this "
@@ -130,13 +133,76 @@ def encode(tokenizer, prompt, tok_kwargs: dict):
     return ids, mask, {}
 
 
-def check_ids(ids: torch.Tensor, mask: torch.Tensor, vocab: int | None) -> None:
-    """Every row has a token; every id is in ``0..vocab-1`` (skipped on the meta device)."""
+class Texts(list):
+    """The texts of one invoke, left by ``prepare`` for ``batch`` to tokenize."""
+
+    __slots__ = ()
+
+
+def tokenize(tokenizer, texts: list, tok_kwargs: dict):
+    """``(input_ids, attention_mask, other_keys)`` of ``texts``, padded on the left."""
+    tok_kwargs = {"padding": True, "padding_side": "left", **tok_kwargs}
+    enc = tokenizer(texts, return_tensors="pt", **tok_kwargs)
+    ids = enc["input_ids"]
+    mask = enc.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(ids)
+    extra = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+    return ids, mask.to(ids.dtype), extra
+
+
+def _is_text(prompt) -> bool:
+    return isinstance(prompt, str) or (
+        isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt))
+
+
+def _texts(prompt) -> list:
+    """A text prompt as a list of texts; an empty text is refused."""
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    for i, t in enumerate(texts):
+        if not t:
+            where = "" if isinstance(prompt, str) else f" (item {i} of the list)"
+            raise InputError(
+                f"empty prompt{where}: there is no token to run the model on; give it some text"
+            )
+    return texts
+
+
+def _tokenized(kws: list, tokenizer) -> list:
+    """``kws`` with the texts ``prepare`` left tokenized: in one tokenizer call when it
+    gives only ids and mask (left-padded to the longest text: the batch pads every invoke to
+    its longest row anyway), else (``token_type_ids``, ...) each invoke's on its own."""
+    pending = [k["input_ids"] for k in kws if type(k["input_ids"]) is Texts]
+    ids, mask, extra = tokenize(tokenizer, [t for texts in pending for t in texts], {})
+    if not extra:
+        check_not_empty(ids, mask)
+    out, row = [], 0
+    for k in kws:
+        texts = k["input_ids"]
+        if type(texts) is not Texts:
+            out.append(k)
+            continue
+        if extra:
+            i, m, e = tokenize(tokenizer, texts, {})
+            check_not_empty(i, m)
+        else:
+            i, m, e = ids[row:row + len(texts)], mask[row:row + len(texts)], {}
+            row += len(texts)
+        out.append({**k, "input_ids": i, "attention_mask": m, **e})
+    return out
+
+
+def check_not_empty(ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """Every row of one prompt has a token."""
     if ids.shape[-1] == 0 or (mask.shape[-1] and bool((mask.sum(-1) == 0).any())):
         raise InputError(
             "a prompt has no tokens (the tokenizer produced none, or the ids are empty); "
             "give every prompt at least one token"
         )
+
+
+def check_vocab(ids: torch.Tensor, vocab: int | None) -> None:
+    """Every id is in ``0..vocab-1`` (skipped on the meta device)."""
     if ids.device.type == "meta":
         return
     lo, hi = (int(v) for v in ids.aminmax())
@@ -149,28 +215,55 @@ def check_ids(ids: torch.Tensor, mask: torch.Tensor, vocab: int | None) -> None:
         )
 
 
-def batch(prepared: list, pad: int, position_ids: bool):
-    """Several invokes' ``prepare`` results left-padded to one length and stacked.
+def batch(prepared: list, tokenizer, vocab: int | None, position_ids: bool):
+    """Several invokes' ``prepare`` results left-padded to one length and stacked; every
+    invoke's ids checked against ``vocab`` (the padding the batch adds is not checked).
 
     With ``position_ids`` and some padding, adds position ids counted over the attention mask.
     """
     sizes = [n for _, _, n in prepared]
     kws = [k for _, k, _ in prepared]
+    if any(type(k["input_ids"]) is Texts for k in kws):
+        kws = _tokenized(kws, tokenizer)
+    first = kws[0]
     if len(kws) == 1:
-        kwargs = dict(kws[0])
+        kwargs = dict(first)
+        ids = kwargs["input_ids"]
+        check_vocab(ids, vocab)
+        full = kwargs["attention_mask"] is None
+        if full:
+            kwargs["attention_mask"] = torch.ones_like(ids)
     else:
-        width = max(k["input_ids"].shape[1] for k in kws)
-        ids = torch.cat([pad_left(k["input_ids"], width, pad) for k in kws])
-        mask = torch.cat([pad_left(k["attention_mask"], width, 0) for k in kws])
-        rest = [((), {n: v for n, v in k.items() if n not in ("input_ids", "attention_mask")})
-                for k in kws]
-        _, kwargs, _ = concat_inputs(rest, sizes)
-        kwargs = {"input_ids": ids, "attention_mask": mask, **kwargs}
+        width = first["input_ids"].shape[1]
+        if all(len(k) == 2 and k["input_ids"].shape[1] == width for k in kws):
+            # one length and no other keys (a loop over token-id prompts): no padding to add
+            ids = torch.cat([k["input_ids"] for k in kws])
+            check_vocab(ids, vocab)
+            full = all(k["attention_mask"] is None for k in kws)
+            mask = torch.ones_like(ids) if full else torch.cat([_mask_of(k) for k in kws])
+            kwargs = {"input_ids": ids, "attention_mask": mask}
+        else:
+            full = False
+            check_vocab(torch.cat([k["input_ids"].reshape(-1) for k in kws]), vocab)
+            width = max(k["input_ids"].shape[1] for k in kws)
+            pad = _pad_id(tokenizer)
+            ids = torch.cat([pad_left(k["input_ids"], width, pad) for k in kws])
+            mask = torch.cat([pad_left(_mask_of(k), width, 0) for k in kws])
+            rest = [((), {n: v for n, v in k.items() if n not in ("input_ids", "attention_mask")})
+                    for k in kws]
+            _, kwargs, _ = concat_inputs(rest, sizes)
+            kwargs = {"input_ids": ids, "attention_mask": mask, **kwargs}
     mask = kwargs["attention_mask"]
-    if position_ids and "position_ids" not in kwargs and not bool(mask.all()):
+    if position_ids and not full and "position_ids" not in kwargs and not bool(mask.all()):
         # as HF generate counts them: padding does not shift a prompt's positions
         kwargs["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     return (), kwargs, sizes
+
+
+def _mask_of(kw: dict) -> torch.Tensor:
+    """The attention mask of one prepared invoke (all ones where ``prepare`` left it None)."""
+    mask = kw["attention_mask"]
+    return torch.ones_like(kw["input_ids"]) if mask is None else mask
 
 
 def _pad_id(tokenizer) -> int:
@@ -282,4 +375,5 @@ def pad_left(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
     return torch.cat([x.new_full((x.shape[0], n), value), x], 1)
 
 
-__all__ = ["TOKENIZER_KWARGS", "prepare", "batch", "encode", "check_ids", "with_pad_token"]
+__all__ = ["TOKENIZER_KWARGS", "Texts", "prepare", "batch", "encode", "tokenize",
+           "check_not_empty", "check_vocab", "with_pad_token"]

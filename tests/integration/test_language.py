@@ -245,6 +245,99 @@ class TestInputs:
         assert full["input_ids"].shape == (3, 5)
         assert full["attention_mask"].tolist() == [[0, 0, 0, 1, 1], [1] * 5, [0, 0, 0, 0, 1]]
 
+    def test_token_id_tensor_invokes(self, lm, hf):
+        """Invokes given token-id tensors (the loop over prompts): equal lengths batch with an
+        all-ones mask and no position ids, equal to the plain model on the stacked ids; mixed
+        with a text prompt of another length, each is left-padded as if tokenized alone."""
+        ids = torch.tensor([[4, 5, 6], [7, 8, 9]])
+        with lm.trace() as tracer:
+            outs = nnsight_lite.save([])
+            for row in (ids[:1], ids[1]):  # a 2-D and a 1-D tensor
+                with tracer.invoke(row):
+                    outs.append(lm.lm_head.output)
+            with tracer.invoke():
+                seen = nnsight_lite.save({k: v.clone() for k, v in lm.inputs[1].items()})
+        assert sorted(seen) == ["attention_mask", "input_ids"]
+        assert seen["input_ids"].tolist() == ids.tolist()
+        assert seen["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 1]]
+        with torch.no_grad():
+            plain = hf(ids).logits
+        assert torch.equal(torch.cat(outs), plain)
+
+        tok = lm.tokenizer
+        with lm.trace() as tracer:
+            with tracer.invoke(torch.tensor([4, 5])):
+                a = nnsight_lite.save(lm.inputs[1]["input_ids"].clone())
+            with tracer.invoke("the big red dog"):
+                pass
+            with tracer.invoke():
+                full = nnsight_lite.save({k: lm.inputs[1][k].clone()
+                                          for k in ("attention_mask", "position_ids")})
+        pad = tok.pad_token_id
+        n = len(tok("the big red dog")["input_ids"])
+        assert a.tolist() == [[pad] * (n - 2) + [4, 5]]
+        assert full["attention_mask"].tolist() == [[0] * (n - 2) + [1, 1], [1] * n]
+        assert full["position_ids"].tolist() == [[0] * (n - 2) + [0, 1], list(range(n))]
+
+    def test_text_invokes_tokenized_as_if_alone(self, lm, hf):
+        """A loop of text invokes (tokenized together, in one tokenizer call) gives every
+        invoke the rows it would get tokenized on its own, left-padded to the batch, and
+        the logits of the plain model on those rows."""
+        tok = lm.tokenizer
+        texts = ["hello world", "the big red dog sat", "hi", "the cat"]
+        with lm.trace() as tracer:
+            for t in texts:
+                with tracer.invoke(t):
+                    pass
+            with tracer.invoke():
+                seen = nnsight_lite.save({k: lm.inputs[1][k].clone()
+                                          for k in ("input_ids", "attention_mask")})
+                logits = lm.lm_head.output.save()
+        width = max(len(tok(t)["input_ids"]) for t in texts)
+        pad = tok.pad_token_id
+        alone = [tok(t)["input_ids"] for t in texts]
+        assert seen["input_ids"].tolist() == [[pad] * (width - len(a)) + a for a in alone]
+        assert seen["attention_mask"].tolist() == [[0] * (width - len(a)) + [1] * len(a)
+                                                   for a in alone]
+        mask = seen["attention_mask"]
+        with torch.no_grad():
+            plain = hf(input_ids=seen["input_ids"], attention_mask=mask,
+                       position_ids=position_ids(mask)).logits
+        assert torch.equal(logits, plain)
+
+    def test_text_with_token_type_ids_is_tokenized_per_invoke(self, lm):
+        """A tokenizer that also returns token_type_ids: each invoke's text is tokenized on
+        its own (as before) and the forward gets the token type ids of every invoke."""
+        tok = lm.tokenizer
+        old = tok.model_input_names
+        tok.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
+        try:
+            with lm.trace() as tracer:
+                with tracer.invoke("hello world"):
+                    pass
+                with tracer.invoke("the cat"):
+                    pass
+                with tracer.invoke():
+                    seen = nnsight_lite.save({k: v.clone() for k, v in lm.inputs[1].items()})
+        finally:
+            tok.model_input_names = old
+        assert seen["input_ids"].tolist() == [tok("hello world")["input_ids"],
+                                              tok("the cat")["input_ids"]]
+        assert seen["token_type_ids"].tolist() == [[0, 0], [0, 0]]
+
+    @pytest.mark.parametrize("bad", [10_000, -1])
+    def test_token_ids_out_of_vocabulary_in_any_invoke(self, lm, bad):
+        """An id outside the vocabulary in a later invoke's tensor is refused before the model
+        runs, with the same message as a single prompt's."""
+        vocab = lm._module.get_input_embeddings().num_embeddings
+        with pytest.raises(InputError, match=rf"token id {bad} is outside this model's "
+                                             rf"vocabulary \(valid ids: 0..{vocab - 1}\)"):
+            with lm.trace() as tracer:
+                with tracer.invoke(torch.tensor([[4, 5]])):
+                    pass
+                with tracer.invoke(torch.tensor([[bad, 5]])):
+                    pass
+
     def test_tokenizer_kwargs_apply_per_invoke(self, lm):
         with lm.trace() as tracer:
             with tracer.invoke("the big red dog sat on the mat", max_length=3, truncation=True):
@@ -576,12 +669,16 @@ class TestErrors:
             with lm.trace(prompt):
                 pass
 
-    def test_empty_invoke_prompt(self, lm):
-        with pytest.raises(InputError, match=r"empty prompt: there is no token"):
+    @pytest.mark.parametrize("text, match", [("", r"empty prompt: there is no token"),
+                                             ("   ", r"a prompt has no tokens")])
+    def test_empty_invoke_prompt(self, lm, text, match):
+        """An empty text, or one the tokenizer makes no token of, in a later invoke is
+        refused before the model runs, as for a single prompt."""
+        with pytest.raises(InputError, match=match):
             with lm.trace() as tracer:
                 with tracer.invoke("hello"):
                     pass
-                with tracer.invoke(""):
+                with tracer.invoke(text):
                     pass
 
     def test_tokenizer_options_with_token_ids(self, lm):

@@ -158,6 +158,36 @@ class TestBatching:
                 with tracer.invoke(torch.randn(1, 6, dtype=torch.float64)):
                     pass
 
+    @pytest.mark.parametrize("first, second, match", [
+        ((0,), (1, 6), r"shapes invoke 0: \(0,\), invoke 1: \(1, 6\)"),  # torch.cat takes these
+        ((), (1, 6), r"shapes invoke 0: \(\), invoke 1: \(1, 6\)"),
+        ((1, 6), (2, 6, 1), r"shapes invoke 0: \(1, 6\), invoke 1: \(2, 6, 1\)"),
+    ])
+    def test_inputs_of_other_ranks_are_refused(self, seq, first, second, match):
+        """Inputs batch only when every dimension but the first agrees, as the message says,
+        even where torch.cat alone would accept them (a legacy empty 1-D tensor)."""
+        model = NNsight(seq)
+        with pytest.raises(BatchingError, match=match):
+            with model.trace() as tracer:
+                with tracer.invoke(torch.zeros(first)):
+                    pass
+                with tracer.invoke(torch.zeros(second)):
+                    pass
+
+    def test_batched_inputs_equal_one_stacked_forward(self, seq):
+        """Many invokes of same-shaped inputs: each body's rows equal the model run on all of
+        them stacked (one torch.cat), in invoke order."""
+        model = NNsight(seq)
+        xs = [torch.randn(n, 6) for n in (1, 2, 1, 3)]
+        with model.trace() as tracer:
+            outs = nnsight_lite.save([])
+            for x in xs:
+                with tracer.invoke(x):
+                    outs.append(model.output)
+        whole = seq(torch.cat(xs))
+        assert [o.shape[0] for o in outs] == [1, 2, 1, 3]
+        assert torch.equal(torch.cat(outs), whole)
+
     def test_failing_invoke_is_named_and_cleaned_up(self, seq):
         model = NNsight(seq)
         with pytest.raises(ValueError) as info:
