@@ -104,8 +104,11 @@ class _HookHandle:
         self.hooks = hooks
         self.key = key
 
-    def remove(self) -> None:
-        self.hooks.pop(self.key, None)
+    def remove(self) -> None:  # idempotent; lets go of the hook (it refers to its owner)
+        hooks, self.hooks = self.hooks, None
+        if hooks is not None:
+            hooks.pop(self.key, None)
+            self.key = None
 
 
 def add_grad_hook(t, hook):
