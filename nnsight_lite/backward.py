@@ -21,6 +21,7 @@ import contextvars
 import dis
 import functools
 import sys
+from collections import OrderedDict
 
 import greenlet
 import torch
@@ -43,6 +44,8 @@ from .workers import (
 )
 
 _original_backward = torch.Tensor.backward
+_Tensor = torch.Tensor
+_getcurrent = greenlet.getcurrent
 # what torch.autograd.set_multithreading_enabled does, without building a context manager
 _is_multithreading = torch._C._is_multithreading_enabled
 _set_multithreading = torch._C._set_multithreading_enabled
@@ -89,7 +92,45 @@ torch.Tensor.backward = backward
 
 
 def _current_backward():
-    return getattr(greenlet.getcurrent(), "grads", None)
+    return getattr(_getcurrent(), "grads", None)
+
+
+class _HookHandle:
+    """Removes one hook that add_grad_hook put in a tensor's hook dict."""
+
+    __slots__ = ("hooks", "key")
+
+    def __init__(self, hooks, key):
+        self.hooks = hooks
+        self.key = key
+
+    def remove(self) -> None:  # idempotent; lets go of the hook (it refers to its owner)
+        hooks, self.hooks = self.hooks, None
+        if hooks is not None:
+            hooks.pop(self.key, None)
+            self.key = None
+
+
+def add_grad_hook(t, hook):
+    """``t.register_hook(hook)``, returning a handle whose ``remove()`` takes it off again.
+
+    For a plain tensor it does what ``Tensor.register_hook`` does (add ``hook`` to the tensor's
+    ``_backward_hooks`` dict, which torch calls as backprop reaches the tensor, creating and
+    attaching the dict the first time) without that method's per-call overhead: its
+    ``__torch_function__`` check, an import and a RemovableHandle, about half of what reading one
+    gradient costs. The hook is its own key, so it never collides with torch's integer ids.
+    Tensor subclasses go through ``register_hook`` itself (they may override it).
+    """
+    if type(t) is not _Tensor:
+        return t.register_hook(hook)
+    hooks = t._backward_hooks
+    if hooks is None:
+        hooks = t._backward_hooks = OrderedDict()
+        fn = t.grad_fn
+        if fn is not None:
+            fn._register_hook_dict(t)
+    hooks[hook] = hook
+    return _HookHandle(hooks, hook)
 
 
 def _describe(t) -> str:
@@ -157,6 +198,7 @@ class Backward(BodyContext):
         self.cur = None
         self.cur_value = None
         self._seq = None
+        self._pending_seq = None
         self._finished = False
         self._pending = None
         self._last = None
@@ -228,10 +270,10 @@ class Backward(BodyContext):
             return
         t = req
         self._pending = req
-        self._handles.append(t.register_hook(functools.partial(self._hook, t)))
+        self._handles.append(add_grad_hook(t, functools.partial(self._hook, t)))
 
     def _hook(self, t, grad):
-        if greenlet.getcurrent() is not self._runner:
+        if _getcurrent() is not self._runner:
             raise GradientError(
                 "a gradient hook fired on a thread other than the one running the backward; "
                 "nnsight_lite runs backward with autograd multithreading off to prevent this"
@@ -241,7 +283,7 @@ class Backward(BodyContext):
         value = grad.clone()
         self.cur = t
         self.cur_value = value
-        self._seq = _seq_of(t)
+        self._seq = self._pending_seq  # t's, found when it was requested
         self._last = t
         try:
             req = self._resume(value)
@@ -270,11 +312,12 @@ class Backward(BodyContext):
                 ".grad was read before it. Gradients arrive in reverse execution order: read "
                 "the later tensor's .grad first (here: this one before the other)."
             )
+        self._pending_seq = seq
         return self._wait(t)
 
     def _wait(self, t):
         """Wait for backprop to reach ``t`` (the backward runs in the parent greenlet)."""
-        return greenlet.getcurrent().parent.switch(t)
+        return _getcurrent().parent.switch(t)
 
     def _no_source(self, err):
         from .nosource import enter_inline_backward

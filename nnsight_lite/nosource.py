@@ -37,6 +37,7 @@ import torch
 
 from .backward import (
     _describe,
+    add_grad_hook,
     _is_multithreading,
     _original_backward,
     _seq_of,
@@ -244,7 +245,7 @@ def _wait_inline(ctx, t):
     """The body (in the user's greenlet) asks for ``t``'s gradient: hook ``t``, let backprop
     run until it reaches it, and return the value the hook hands over."""
     ctx._pending = t
-    ctx._handles.append(t.register_hook(functools.partial(_hook_inline, ctx, t)))
+    ctx._handles.append(add_grad_hook(t, functools.partial(_hook_inline, ctx, t)))
     bwd = ctx._runner
     state = tls_state()
     try:
