@@ -270,8 +270,8 @@ class Interleaver:
         """Wrap ``forward`` of every module of the model (each module once, pre-order).
 
         Slots and their wrappers are kept per model between traces (``_Plan``) and reused
-        when the same module sits at the same place: a trace then only resets counters and
-        swaps ``forward`` entries. When every module still has exactly the children (names and
+        when the same module sits at the same place: a trace then takes a new serial (which
+        zeroes every counter at once, see Slot) and swaps ``forward`` entries. When every module still has exactly the children (names and
         objects) it had, the last walk is reused; any change to the tree (a child replaced,
         added, removed or renamed) makes a new walk, so it is always seen.
         """
