@@ -238,7 +238,12 @@ class Mediator:
         if cur is not None and cur[0] is key[0] and cur[1] is kind and cur[2] == key[2]:
             return self.cur_value
         slot, _, call = key
-        passed = (slot.outs if kind is OUTPUT else slot.calls) > call
+        live = slot.live  # (Slot.outs / Slot.calls inlined: this runs at every read)
+        if live is None:  # an operation's slot (source.py) has plain counters
+            done = slot.outs if kind is OUTPUT else slot.calls
+        else:
+            done = (slot.n_out if kind is OUTPUT else slot.n_in) if slot.gen == live.serial else 0
+        passed = done > call
         if passed:  # unless the model is handing out exactly this value right now
             now = self.interleaver.serving
             passed = now is None or now[0] is not slot or now[1] is not kind or now[2] != call

@@ -50,7 +50,7 @@ from .context import RUNTIME, body_job
 from .errors import GradientError, NoSourceError
 from .interleaver import Interleaver
 from .mediator import _DONE, Mediator, StopTrace, wait_for_name
-from .workers import _getcurrent, set_tls_state, tls_state, user_location
+from .workers import _getcurrent, padded, set_tls_state, tls_state, user_location
 
 _ENDED = object()  # what the backward greenlet returns when backprop is over
 
@@ -121,7 +121,7 @@ def enter_inline_trace(tracer) -> None:
             for scope in made:
                 scope.reset()
 
-    fwd = greenlet.greenlet(main, user)
+    fwd = greenlet.greenlet(padded(main), user)
     fwd.gr_context = contextvars.copy_context()
     previous = getattr(user, "mediator", None)
     user.mediator = med
@@ -228,7 +228,7 @@ def enter_inline_backward(ctx) -> None:
             ctx._finished = True
         return _ENDED
 
-    bwd = greenlet.greenlet(main, user)
+    bwd = greenlet.greenlet(padded(main), user)
     bwd.gr_context = contextvars.copy_context()
     ctx._runner = bwd
     ctx._done = False

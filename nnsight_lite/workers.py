@@ -15,6 +15,7 @@ body a switch instead of a greenlet creation plus its first switch.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -57,6 +58,37 @@ _POOL_MAX = 64
 _workers: "weakref.WeakSet[BodyGreenlet]" = weakref.WeakSet()
 
 
+#: C-level calls a worker goes down before it runs any job (see _below)
+_PADDING = 14
+
+
+def _below(levels: int, fn, arg):
+    """``fn(arg)`` called ``levels`` C-level calls below here: each level is a builtin
+    (``next`` over ``map``) calling back into Python, a few C frames."""
+    if levels == 0:
+        return fn(arg)
+    return next(map(_below, (levels - 1,), (fn,), (arg,)))
+
+
+def _worker_entry(job):
+    """A worker's first frame. Its jobs run some 80 C frames below the greenlet's base, because
+    torch records a C++ backtrace (up to 64 frames, unwound with libgcc) for every error it
+    raises, even one the body catches: unwinding past a greenlet's base walks into stack memory
+    that others have reused since, and can crash the process. Deeper than 64 frames, the walk
+    ends first. (Costs ~0.3 us a switch round trip: the worker's slice of stack is larger.)"""
+    return _below(_PADDING, _worker_main, job)
+
+
+def padded(fn):
+    """``fn`` to run as a greenlet's first function, its calls as deep as a worker's jobs (see
+    _worker_entry): for the other greenlets nnsight_lite starts (nosource.py)."""
+    return functools.partial(_below, _PADDING, _call, fn)
+
+
+def _call(fn):
+    return fn()
+
+
 def _worker_main(job):
     me = _getcurrent()
     while True:
@@ -74,7 +106,7 @@ def _take_worker() -> BodyGreenlet:
         w = idle.pop()
         w.parent = _getcurrent()
         return w
-    w = BodyGreenlet(_worker_main, _getcurrent())
+    w = BodyGreenlet(_worker_entry, _getcurrent())
     _workers.add(w)
     return w
 

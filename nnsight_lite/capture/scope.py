@@ -52,19 +52,24 @@ class Scope(dict):
         dict.update(self, cached[3])
 
     def __missing__(self, name):
-        try:
-            return self._locals[name]
-        except KeyError:
-            pass
-        if self._globals is not self._locals:
+        loc = self._locals
+        if loc.__class__ is dict:  # a module's or a function's locals: no KeyError to raise
+            value = loc.get(name, _ABSENT)
+            if value is not _ABSENT:
+                return value
+        else:  # a Scope (its own fallbacks), a class body's ChainMap, a notebook's namespace
             try:
-                return self._globals[name]
+                return loc[name]
             except KeyError:
                 pass
-        try:
-            return self._builtins[name]
-        except KeyError:
-            pass
+        glob = self._globals
+        if glob is not loc:
+            value = glob.get(name, _ABSENT) if glob.__class__ is dict else _get(glob, name)
+            if value is not _ABSENT:
+                return value
+        value = self._builtins.get(name, _ABSENT)
+        if value is not _ABSENT:
+            return value
         return self._on_missing(self, name)  # an earlier invoke may still bind it
 
     def child(self, names: dict) -> "Scope":
@@ -105,6 +110,17 @@ class Scope(dict):
 #: (id(runtime), id(builtins)) -> (runtime, builtins, builtins as a dict, base entries) for the usual builtins
 _bases: dict = {}
 _BUILTINS = vars(builtins)
+
+_ABSENT = object()
+
+
+def _get(mapping, name):
+    """``mapping[name]``, or _ABSENT where it raises KeyError (any mapping type)."""
+    try:
+        return mapping[name]
+    except KeyError:
+        return _ABSENT
+
 
 _INTERNAL = frozenset({"__builtins__", ITER_END_NAME, SAVE_NAME, GRAD_NAME, SET_GRAD_NAME,
                        INLINE_NAME, NAME_NAME})
