@@ -1,0 +1,101 @@
+"""Instruction counts per call of the benchmark cases, under valgrind's callgrind.
+
+This machine's wall clock moves by 5-30% between runs (shared cores), far more than most
+differences worth chasing; instruction counts do not. Run from the repository root::
+
+    .venv/bin/python benchmarks/instructions.py                     # linear and gpt2 groups
+    .venv/bin/python benchmarks/instructions.py --only gpt2 --calls 20
+    .venv/bin/python benchmarks/instructions.py --cases plain,lib.save_one
+
+The cases are those of ``python -m benchmarks`` (cases.py), with nnsight_lite. Each case is
+called a few times to warm up, then ``--calls`` times between two calls of ``os.getppid``,
+which callgrind is told to dump its counts before (``--dump-before=os_getppid``): the dump
+after a case's loop holds that loop alone. Needs valgrind on PATH; importing torch under it
+takes a minute or two. Instructions are not time (a cache miss costs more than an add), but
+they are the same from run to run, so a change of a few percent shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GROUPS = {"linear": "linear_stack", "gpt2": "gpt2", "grads": "grads"}
+WARMUP = 3
+
+
+def child(groups: list, names: "list | None", calls: int) -> None:
+    """Runs under valgrind: each case's loop between two ``os.getppid()`` calls."""
+    sys.path[:0] = [str(HERE), str(HERE.parent)]
+    import torch
+
+    import cases
+    import nnsight_lite
+
+    torch.set_num_threads(1)
+    for group_name in groups:
+        group = getattr(cases, GROUPS[group_name])(nnsight_lite)
+        for name, fn in group.cases.items():
+            if names and name not in names:
+                continue
+            for _ in range(WARMUP):
+                fn()
+            os.getppid()  # dump: everything up to here
+            for _ in range(calls):
+                fn()
+            os.getppid()  # dump: this case's loop
+            print(f"case {group_name}/{name}", flush=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="linear,gpt2", help="groups: " + ",".join(GROUPS))
+    parser.add_argument("--cases", default="", help="case keys to keep (default: all)")
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    groups = [g for g in args.only.split(",") if g]
+    names = [c for c in args.cases.split(",") if c] or None
+    if args.child:
+        child(groups, names, args.calls)
+        return
+    out = tempfile.mkdtemp(prefix="callgrind.")
+    env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               MKL_NUM_THREADS="1")
+    cmd = ["valgrind", "--tool=callgrind", "--dump-before=os_getppid",
+           f"--callgrind-out-file={out}/out", sys.executable, __file__, "--child",
+           "--only", args.only, "--cases", args.cases, "--calls", str(args.calls)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    labels = [line[5:] for line in proc.stdout.splitlines() if line.startswith("case ")]
+    if proc.returncode != 0 or not labels:
+        sys.exit(f"callgrind run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    dumps = sorted(glob.glob(f"{out}/out.*"), key=lambda p: int(p.rsplit(".", 1)[1]))
+    totals = [_summary(p) for p in dumps]
+    # dumps come in pairs per case: (up to the loop, the loop)
+    per_call = {label: totals[2 * i + 1] / args.calls for i, label in enumerate(labels)}
+    print(f"| case | instructions per call | over the group's plain |\n|---|---|---|")
+    for label, n in per_call.items():
+        base = per_call.get(label.split("/")[0] + "/plain")
+        over = f"{n - base:+,.0f}" if base is not None else "-"
+        print(f"| {label} | {n:,.0f} | {over} |")
+    print(f"\n(callgrind dumps in {out})")
+
+
+def _summary(path: str) -> int:
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"summary: (\d+)", line)
+            if m:
+                return int(m.group(1))
+    return 0
+
+
+if __name__ == "__main__":
+    main()
