@@ -25,3 +25,13 @@ def test_quick_benchmark_prints_the_table():
                 "first trace at a new call site"):
         assert row in out, out
     assert "fixed cost of a trace" in out and "one more invoke" in out, out
+
+
+def test_instruction_count_cases_run_between_their_markers():
+    """`benchmarks/instructions.py --child` (what runs under callgrind) builds the groups and
+    runs each case it is asked for between its two dump markers, naming it on stdout."""
+    proc = subprocess.run([sys.executable, "benchmarks/instructions.py", "--child", "--only",
+                           "linear", "--cases", "plain,lib.save_last", "--calls", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["case", "linear/plain", "case", "linear/lib.save_last"]
