@@ -271,9 +271,10 @@ class Interleaver:
 
         Slots and their wrappers are kept per model between traces (``_Plan``) and reused
         when the same module sits at the same place: a trace then takes a new serial (which
-        zeroes every counter at once, see Slot) and swaps ``forward`` entries. When every module still has exactly the children (names and
-        objects) it had, the last walk is reused; any change to the tree (a child replaced,
-        added, removed or renamed) makes a new walk, so it is always seen.
+        zeroes every counter at once, see Slot) and swaps ``forward`` entries. When every
+        module still has exactly the children (names and objects) it had, the last walk is
+        reused; any change to the tree (a child replaced, added, removed or renamed) makes a
+        new walk, so it is always seen.
         """
         key = id(self.root)
         other = _active.setdefault(key, self)  # one step: two threads cannot both get None
