@@ -5,6 +5,7 @@ differences worth chasing; instruction counts do not. Run from the repository ro
 
     .venv/bin/python benchmarks/instructions.py                     # linear and gpt2 groups
     .venv/bin/python benchmarks/instructions.py --only gpt2 --calls 20
+    .venv/bin/python benchmarks/instructions.py --only generate --calls 1   # row 4 (slow)
     .venv/bin/python benchmarks/instructions.py --cases plain,lib.save_one
 
 The cases are those of ``python -m benchmarks`` (cases.py), with nnsight_lite. Each case is
@@ -27,7 +28,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GROUPS = {"linear": "linear_stack", "gpt2": "gpt2", "grads": "grads"}
+GROUPS = {"linear": ("cases", "linear_stack"), "gpt2": ("cases", "gpt2"),
+          "grads": ("cases", "grads"), "generate": ("cases_lm", "generation")}
 WARMUP = 3
 
 
@@ -36,12 +38,14 @@ def child(groups: list, names: "list | None", calls: int) -> None:
     sys.path[:0] = [str(HERE), str(HERE.parent)]
     import torch
 
-    import cases
+    import importlib
+
     import nnsight_lite
 
     torch.set_num_threads(1)
     for group_name in groups:
-        group = getattr(cases, GROUPS[group_name])(nnsight_lite)
+        module, function = GROUPS[group_name]
+        group = getattr(importlib.import_module(module), function)(nnsight_lite)
         for name, fn in group.cases.items():
             if names and name not in names:
                 continue
