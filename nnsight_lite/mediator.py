@@ -223,21 +223,17 @@ class Mediator:
 
     # ---- body side
 
-    def call_index(self, slot) -> int:
-        base = self.iteration if self.iter_depth else 0
-        return base + self.offsets.get(slot, 0)
-
-    def key_for(self, envoy, kind):
-        slot = self.interleaver.slot_of(envoy)
-        return (slot, kind, self.call_index(slot))
-
     def get(self, envoy, kind):
         """The value of ``envoy``'s ``kind`` at this body's current call; waits for it."""
-        key = self.key_for(envoy, kind)
+        inter = self.interleaver
+        slot = inter.slots.get(id(envoy._module))  # (Interleaver.slot_of's usual case, inlined)
+        if slot is None:
+            slot = inter.slot_of(envoy)  # an operation's slot, or the error saying why not
+        call = (self.iteration if self.iter_depth else 0) + self.offsets.get(slot, 0)
         cur = self.cur_key
-        if cur is not None and cur[0] is key[0] and cur[1] is kind and cur[2] == key[2]:
+        if cur is not None and cur[0] is slot and cur[1] is kind and cur[2] == call:
             return self.cur_value
-        slot, _, call = key
+        key = (slot, kind, call)
         live = slot.live  # (Slot.outs / Slot.calls inlined: this runs at every read)
         if live is None:  # an operation's slot (source.py) has plain counters
             done = slot.outs if kind is OUTPUT else slot.calls
@@ -245,9 +241,9 @@ class Mediator:
             done = (slot.n_out if kind is OUTPUT else slot.n_in) if slot.gen == live.serial else 0
         passed = done > call
         if passed:  # unless the model is handing out exactly this value right now
-            now = self.interleaver.serving
+            now = inter.serving
             passed = now is None or now[0] is not slot or now[1] is not kind or now[2] != call
-        if passed or self.interleaver.finished:
+        if passed or inter.finished:
             raise self._late_error(envoy, key)
         self.pending_envoy = envoy
         return self.parent.switch(key)
