@@ -33,6 +33,7 @@ from .errors import GradientError, OutOfOrderError
 from .mediator import _DONE
 from .workers import (
     _FINISHED,
+    _getcurrent,
     _take_worker,
     attached,
     set_tls_state,
@@ -45,7 +46,6 @@ from .workers import (
 
 _original_backward = torch.Tensor.backward
 _Tensor = torch.Tensor
-_getcurrent = greenlet.getcurrent
 # what torch.autograd.set_multithreading_enabled does, without building a context manager
 _is_multithreading = torch._C._is_multithreading_enabled
 _set_multithreading = torch._C._set_multithreading_enabled
@@ -218,7 +218,7 @@ class Backward(BodyContext):
                 "compute it with grad enabled."
             )
         code = self._body.code
-        self._runner = greenlet.getcurrent()
+        self._runner = _getcurrent()
         g = _take_worker()
         g.grads = self
         g.gr_context = contextvars.copy_context()

@@ -60,7 +60,7 @@ class Slot:
     __slots__ = ("module", "parent", "attr", "n_in", "n_out", "gen", "live", "wait_in",
                  "wait_out", "prev_forward", "orig")
 
-    def __init__(self, module, parent, attr, live=None):
+    def __init__(self, module, parent, attr, live):
         self.module = module
         self.orig = None  # the forward the wrapper calls (set at every install)
         self.prev_forward = _UNSWAPPED  # the instance ``forward`` entry the wrapper replaced

@@ -354,10 +354,6 @@ class LanguageModel(NNsight):
         """One invoke's prompt as ``((), {"input_ids", "attention_mask", ...}, rows)``."""
         return prompts.prepare(self.tokenizer, args, kwargs)
 
-    def _pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return 0 if pad is None else pad
-
     def _batch_inputs(self, prepared: list):
         """Left-pad every invoke's rows to one length and stack them (one forward); check the
         ids against the vocabulary; move them to the input embedding's device."""
@@ -396,7 +392,7 @@ class LanguageModel(NNsight):
         if gen.get("pad_token_id") is None:
             config = getattr(self._module, "generation_config", None)
             if getattr(config, "pad_token_id", None) is None:
-                gen["pad_token_id"] = self._pad_id()
+                gen["pad_token_id"] = prompts._pad_id(self.tokenizer)
         kwargs = dict(kwargs)
         kwargs.pop("position_ids", None)  # generate makes its own from the attention mask
         return self._module.generate(*args, **kwargs, **gen)

@@ -234,11 +234,8 @@ class Mediator:
         if cur is not None and cur[0] is slot and cur[1] is kind and cur[2] == call:
             return self.cur_value
         key = (slot, kind, call)
-        live = slot.live  # (Slot.outs / Slot.calls inlined: this runs at every read)
-        if live is None:  # an operation's slot (source.py) has plain counters
-            done = slot.outs if kind is OUTPUT else slot.calls
-        else:
-            done = (slot.n_out if kind is OUTPUT else slot.n_in) if slot.gen == live.serial else 0
+        # (Slot.outs / Slot.calls inlined: this runs at every read)
+        done = (slot.n_out if kind is OUTPUT else slot.n_in) if slot.gen == slot.live.serial else 0
         passed = done > call
         if passed:  # unless the model is handing out exactly this value right now
             now = inter.serving

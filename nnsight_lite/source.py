@@ -283,12 +283,11 @@ class OpSlot(Slot):
     ``children`` hold the slots of a called function's operations (nested ``.source``).
     """
 
-    # plain counters (an operation slot lives for one trace only): they shadow Slot's properties
-    __slots__ = ("path", "drill", "children", "fn", "made", "comp", "error", "calls", "outs")
+    __slots__ = ("path", "drill", "children", "fn", "made", "comp", "error")
 
     def __init__(self, owner: Slot, path: str):
-        super().__init__(owner.module, owner, path)
-        self.calls = self.outs = 0
+        super().__init__(owner.module, owner, path, owner.live)
+        self.gen = owner.live.serial  # made in the running trace, for it alone
         self.path = path
         self.drill = False  # a body asked for .source of this operation
         self.children = {}
@@ -356,8 +355,8 @@ def _make_helper(inter):
         slot = table[index]
         if slot.drill:
             fn = _drilled(inter, slot, fn)
-        call = slot.calls
-        slot.calls = call + 1
+        call = slot.n_in
+        slot.n_in = call + 1
         if slot.wait_in and call in slot.wait_in:
             slot.orig = fn  # what _serve_input runs (unless a body skips it)
             try:
@@ -366,7 +365,7 @@ def _make_helper(inter):
                 slot.orig = None
         else:
             out = fn(*args, **kwargs)
-        slot.outs += 1
+        slot.n_out += 1
         if slot.wait_out and call in slot.wait_out:
             out = inter._serve_output(slot, call, out)
         return out

@@ -15,7 +15,6 @@ body a switch instead of a greenlet creation plus its first switch.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
@@ -58,35 +57,30 @@ _POOL_MAX = 64
 _workers: "weakref.WeakSet[BodyGreenlet]" = weakref.WeakSet()
 
 
-#: C-level calls a worker goes down before it runs any job (see _below)
+#: C-level calls a greenlet nnsight_lite starts goes down before its first function (see padded)
 _PADDING = 14
 
 
-def _below(levels: int, fn, arg):
-    """``fn(arg)`` called ``levels`` C-level calls below here: each level is a builtin
+def _below(levels: int, fn, args: tuple):
+    """``fn(*args)`` called ``levels`` C-level calls below here: each level is a builtin
     (``next`` over ``map``) calling back into Python, a few C frames."""
     if levels == 0:
-        return fn(arg)
-    return next(map(_below, (levels - 1,), (fn,), (arg,)))
-
-
-def _worker_entry(job):
-    """A worker's first frame. Its jobs run some 80 C frames below the greenlet's base, because
-    torch records a C++ backtrace (up to 64 frames, unwound with libgcc) for every error it
-    raises, even one the body catches: unwinding past a greenlet's base walks into stack memory
-    that others have reused since, and can crash the process. Deeper than 64 frames, the walk
-    ends first. (Costs ~0.3 us a switch round trip: the worker's slice of stack is larger.)"""
-    return _below(_PADDING, _worker_main, job)
+        return fn(*args)
+    return next(map(_below, (levels - 1,), (fn,), (args,)))
 
 
 def padded(fn):
-    """``fn`` to run as a greenlet's first function, its calls as deep as a worker's jobs (see
-    _worker_entry): for the other greenlets nnsight_lite starts (nosource.py)."""
-    return functools.partial(_below, _PADDING, _call, fn)
+    """``fn`` as the first function of a greenlet (a worker, nosource.py's), run some 80 C
+    frames below the greenlet's base. torch records a C++ backtrace (up to 64 frames, unwound
+    with libgcc) for every error it raises, even one a body catches: unwinding past a greenlet's
+    base walks into stack memory that others have reused since, and can crash the process.
+    Deeper than 64 frames, the walk ends first. (Costs ~0.3 us a switch round trip: the
+    greenlet's slice of stack is larger.)"""
 
+    def entry(*args):
+        return _below(_PADDING, fn, args)
 
-def _call(fn):
-    return fn()
+    return entry
 
 
 def _worker_main(job):
@@ -106,7 +100,7 @@ def _take_worker() -> BodyGreenlet:
         w = idle.pop()
         w.parent = _getcurrent()
         return w
-    w = BodyGreenlet(_worker_entry, _getcurrent())
+    w = BodyGreenlet(padded(_worker_main), _getcurrent())
     _workers.add(w)
     return w
 

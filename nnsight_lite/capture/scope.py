@@ -53,24 +53,18 @@ class Scope(dict):
 
     def __missing__(self, name):
         loc = self._locals
-        if loc.__class__ is dict:  # a module's or a function's locals: no KeyError to raise
-            value = loc.get(name, _ABSENT)
-            if value is not _ABSENT:
-                return value
-        else:  # a Scope (its own fallbacks), a class body's ChainMap, a notebook's namespace
-            try:
-                return loc[name]
-            except KeyError:
-                pass
-        glob = self._globals
-        if glob is not loc:
-            value = glob.get(name, _ABSENT) if glob.__class__ is dict else _get(glob, name)
-            if value is not _ABSENT:
-                return value
-        value = self._builtins.get(name, _ABSENT)
-        if value is not _ABSENT:
-            return value
-        return self._on_missing(self, name)  # an earlier invoke may still bind it
+        # a plain dict (a module's or a function's locals) is asked without raising KeyError;
+        # other mappings (a Scope with its own fallbacks, a class body's ChainMap) by indexing
+        value = loc.get(name, _ABSENT) if loc.__class__ is dict else _get(loc, name)
+        if value is _ABSENT:
+            glob = self._globals
+            if glob is not loc:
+                value = glob.get(name, _ABSENT) if glob.__class__ is dict else _get(glob, name)
+            if value is _ABSENT:
+                value = self._builtins.get(name, _ABSENT)
+                if value is _ABSENT:
+                    return self._on_missing(self, name)  # an earlier invoke may still bind it
+        return value
 
     def child(self, names: dict) -> "Scope":
         """A Scope holding ``names`` whose lookups fall back to this one."""
