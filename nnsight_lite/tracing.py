@@ -172,22 +172,26 @@ class Tracer(BodyContext):
 
     def _run(self, scope):
         model = self.model
-        if self._args or self._kwargs:
-            invokes = [(self._args, self._kwargs, self._body, None)]
-        else:
-            self._collecting = True
-            _collecting.depth = getattr(_collecting, "depth", 0) + 1
-            try:
-                exec(self._body.code, scope)
-            except StopTrace:
-                return
-            finally:
-                self._collecting = False
-                _collecting.depth -= 1
-            invokes = [(inv._args, inv._kwargs, inv._body, inv._snapshot) for inv in self._invokes]
-            self._invokes = []
-            if not invokes:
-                return
+        if self._args or self._kwargs:  # the usual trace: one invoke, the trace's own body
+            args, kwargs, sizes = model._batch_inputs(
+                [model._prepare_inputs(*self._args, **self._kwargs)])
+            inter = Interleaver(model._module, sum(sizes), model.__dict__)
+            made = _add_edits(inter, model) if model._edits else []
+            inter.add(body_job(self._body.code, scope), None, scope)
+            return self._interleave(inter, made, args, kwargs)
+        self._collecting = True
+        _collecting.depth = getattr(_collecting, "depth", 0) + 1
+        try:
+            exec(self._body.code, scope)
+        except StopTrace:
+            return
+        finally:
+            self._collecting = False
+            _collecting.depth -= 1
+        invokes = [(inv._args, inv._kwargs, inv._body, inv._snapshot) for inv in self._invokes]
+        self._invokes = []
+        if not invokes:
+            return
         with_input = [(a, k) for a, k, _, _ in invokes if a or k]
         if not with_input:
             raise NNsightError(
@@ -196,15 +200,8 @@ class Tracer(BodyContext):
             )
         prepared = [model._prepare_inputs(*a, **k) for a, k in with_input]
         args, kwargs, sizes = model._batch_inputs(prepared)
-        total = sum(sizes)
-        inter = Interleaver(model._module, total, model.__dict__)
-        made = []  # the scopes made here, cleared after the run (functions bound in them)
-        for body, snapshot, f_globals, selves in model._edits:  # persistent edits run first
-            if selves:  # the names that meant the edited model mean the model traced now
-                snapshot = {**snapshot, **dict.fromkeys(selves, model)}
-            edit_scope = Scope(snapshot, f_globals, RUNTIME, wait_for_name)
-            made.append(edit_scope)
-            inter.add(body_job(body.code, edit_scope), None, edit_scope)
+        inter = Interleaver(model._module, sum(sizes), model.__dict__)
+        made = _add_edits(inter, model) if model._edits else []
         start = 0
         sized = iter(sizes)
         many = len(invokes) > 1
@@ -215,19 +212,21 @@ class Tracer(BodyContext):
                 start += size
             else:
                 batch = None
-            if snapshot is None:  # the trace's own body: it runs in the trace's scope
-                inter.add(body_job(body.code, scope), batch, scope)
-                continue
             # Each invoke has its own scope: the trace body's names as of the invoke, then what
             # it binds itself; what other invokes bind reaches it through the shared `scope`.
             own = scope.child(snapshot)
             made.append(own)
             med = inter.add(body_job(body.code, own), batch, own)
             med.shared, med.snapshot, med.assigned = scope, snapshot, body.assigned
+        self._interleave(inter, made, args, kwargs)
+
+    def _interleave(self, inter: Interleaver, made: list, args: tuple, kwargs: dict):
+        """Run the forward with the bodies ``inter`` holds; then clear the scopes in ``made``
+        (the invokes' and edits' own: functions bound in them refer back to them)."""
         self._inter = inter
         try:
             if self._scan:
-                _run_fake(inter, model, args, kwargs)
+                _run_fake(inter, self.model, args, kwargs)
             else:
                 inter.run(lambda: self._forward(inter, args, kwargs))
         finally:
@@ -243,6 +242,19 @@ class Tracer(BodyContext):
 
 def _no_barrier() -> None:
     return None
+
+
+def _add_edits(inter: Interleaver, model) -> list:
+    """Add ``model``'s persistent edits to ``inter`` (they run first, on the whole batch);
+    return the scopes made for them."""
+    made = []
+    for body, snapshot, f_globals, selves in model._edits:
+        if selves:  # the names that meant the edited model mean the model traced now
+            snapshot = {**snapshot, **dict.fromkeys(selves, model)}
+        edit_scope = Scope(snapshot, f_globals, RUNTIME, wait_for_name)
+        made.append(edit_scope)
+        inter.add(body_job(body.code, edit_scope), None, edit_scope)
+    return made
 
 
 def _run_fake(inter: Interleaver, model, args, kwargs):

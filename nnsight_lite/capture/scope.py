@@ -32,7 +32,7 @@ class Scope(dict):
     __slots__ = ("_locals", "_globals", "_builtins", "_on_missing", "keep_all", "_base")
 
     def __init__(self, caller_locals, caller_globals, runtime: dict, on_missing):
-        super().__init__()
+        # (dict.__init__ is not called: with no arguments it does nothing)
         self.keep_all = False  # a session's scope: traces inside it bind back every name
         self._on_missing = on_missing
         self._locals = caller_locals
