@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import weakref
+from itertools import chain, starmap
 from typing import TYPE_CHECKING
 
 import greenlet
@@ -57,30 +58,46 @@ _POOL_MAX = 64
 _workers: "weakref.WeakSet[BodyGreenlet]" = weakref.WeakSet()
 
 
-#: C-level calls a greenlet nnsight_lite starts goes down before its first function (see padded)
-_PADDING = 14
-
-
-def _below(levels: int, fn, args: tuple):
-    """``fn(*args)`` called ``levels`` C-level calls below here: each level is a builtin
-    (``next`` over ``map``) calling back into Python, a few C frames."""
-    if levels == 0:
-        return fn(*args)
-    return next(map(_below, (levels - 1,), (fn,), (args,)))
+#: native frames a greenlet nnsight_lite starts goes down before its first function (see padded)
+_PADDING = 68
 
 
 def padded(fn):
-    """``fn`` as the first function of a greenlet (a worker, nosource.py's), run some 80 C
+    """``fn`` as the first function of a greenlet (a worker, nosource.py's), run some 80 native
     frames below the greenlet's base. torch records a C++ backtrace (up to 64 frames, unwound
     with libgcc) for every error it raises, even one a body catches: unwinding past a greenlet's
     base walks into stack memory that others have reused since, and can crash the process.
-    Deeper than 64 frames, the walk ends first. (Costs ~0.3 us a switch round trip: the
-    greenlet's slice of stack is larger.)"""
+    Deeper than 64 frames, the walk ends first.
+
+    The frames are ``itertools.chain`` iterators nested ``_PADDING`` deep around a ``starmap``
+    that makes the call: one native frame of 32 bytes each, some 2 KiB in all. Every switch
+    into or out of the greenlet copies its stack, padding included (Python-level recursion
+    through ``next(map(...))`` took 8 KiB for as many frames)."""
 
     def entry(*args):
-        return _below(_PADDING, fn, args)
+        it = starmap(_guarded, ((fn, args),))
+        for _ in range(_PADDING):
+            it = chain(it)
+        value, stop = next(it)
+        if stop is not None:
+            try:
+                raise stop
+            finally:
+                stop = None  # (a local holding the exception it raises is a reference cycle)
+        return value
 
     return entry
+
+
+def _guarded(fn, args):
+    """``(fn(*args), None)``, or ``(None, exc)`` for a StopIteration it raised, which the
+    chain in ``padded`` would take for its own end and drop."""
+    try:
+        if len(args) == 1:  # (a plain call: ``fn(*args)`` adds a native frame of ~370 bytes)
+            return fn(args[0]), None
+        return fn(*args), None
+    except StopIteration as exc:
+        return None, exc
 
 
 def _worker_main(job):
