@@ -166,8 +166,7 @@ class Interleaver:
             return output
         finally:
             self.finished = True
-            to_the_end(self._uninstall)  # Ctrl-C part way must not leave wrappers or bodies
-            to_the_end(self._kill_all)
+            to_the_end(self._end)  # Ctrl-C part way must not leave wrappers or bodies
             now = tls_state()
             if now != saved:
                 set_tls_state(saved, now)
@@ -206,6 +205,12 @@ class Interleaver:
                 if not table[call]:
                     del table[call]
                 self.register(med, med.resume(None, IterationEnd()))
+
+    def _end(self) -> None:
+        """Remove the wrappers, then unwind the bodies still suspended (each step idempotent,
+        for ``to_the_end``)."""
+        self._uninstall()
+        self._kill_all()
 
     def _kill_all(self) -> None:
         """Unwind every body still suspended (its ``finally`` blocks run) and free its worker."""

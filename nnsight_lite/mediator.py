@@ -29,8 +29,8 @@ from .workers import (
     _getcurrent,
     _note,
     _take_worker,
+    job_ended,
     set_tls_state,
-    switch_job,
     tls_state,
     user_location,
 )
@@ -145,8 +145,10 @@ class Mediator:
         g.gr_context = contextvars.copy_context()
         self.greenlet = g
         self.parent = g.parent
-        self.interleaver.register(self, self.resume(self.run_fn, None, parent_state))
-        self.interleaver.wake()
+        inter = self.interleaver
+        inter.register(self, self.resume(self.run_fn, None, parent_state))
+        if inter.name_waiters:
+            inter.wake()
 
     def resume(self, value, throw: BaseException | None = None, parent_state=None):
         """Switch into the body (sending ``value`` or throwing ``throw``); return its request.
@@ -157,9 +159,11 @@ class Mediator:
             parent_state = tls_state()
         if self.tls is not None and self.tls != parent_state:
             set_tls_state(self.tls, parent_state)
+        g = self.greenlet
         try:
-            req = switch_job(self.greenlet, value, throw)
-            if req is _FINISHED:  # the body ended; its worker is back in the pool
+            req = g.switch(value) if throw is None else g.throw(throw)  # (workers.switch_job)
+            if req is _FINISHED:  # the body ended: its worker goes back to the pool
+                job_ended(g)  # (raises what the body raised)
                 self.done = True
                 self.pending = None
                 req = _DONE

@@ -138,19 +138,26 @@ def switch_job(w: BodyGreenlet, value=None, throw: BaseException | None = None):
     ``_FINISHED``, or raises the exception the job ended with."""
     req = w.switch(value) if throw is None else w.throw(throw)
     if req is _FINISHED:
-        err, w.error = w.error, None
-        _release_worker(w)
-        if err is not None:
-            throw = None
-            # raising it here would make whatever this greenlet is handling (the SkipBody of the
-            # with-statement) its context: keep the context the body's own code gave it
-            context, suppress = err.__context__, err.__suppress_context__
-            try:
-                raise err
-            finally:  # a local holding an exception that passes through its own frame is a
-                err.__context__, err.__suppress_context__ = context, suppress
-                err = context = None  # reference cycle (exception -> traceback -> frame -> it)
+        throw = None
+        job_ended(w)
     return req
+
+
+def job_ended(w: BodyGreenlet) -> None:
+    """``w`` switched out with ``_FINISHED``: give it back to the pool, and raise the exception
+    its job ended with, if any (what ``switch_job`` does after the switch, for callers that
+    switch themselves)."""
+    err, w.error = w.error, None
+    _release_worker(w)
+    if err is not None:
+        # raising it here would make whatever this greenlet is handling (the SkipBody of the
+        # with-statement) its context: keep the context the body's own code gave it
+        context, suppress = err.__context__, err.__suppress_context__
+        try:
+            raise err
+        finally:  # a local holding an exception that passes through its own frame is a
+            err.__context__, err.__suppress_context__ = context, suppress
+            err = context = None  # reference cycle (exception -> traceback -> frame -> it)
 
 
 def to_the_end(cleanup) -> None:
