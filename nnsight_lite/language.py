@@ -320,9 +320,9 @@ class LanguageModel(NNsight):
         a ``with`` (or with ``trace=False``) it returns generate's output directly.
         """
         # max_length means generate's total length here; per-invoke truncation can still use it
-        tok = {k: v for k, v in kwargs.items()
-               if k in prompts.TOKENIZER_KWARGS and k != "max_length"}
-        gen = {k: v for k, v in kwargs.items() if k not in tok}
+        tok, gen = {}, {}
+        for k, v in kwargs.items():
+            (tok if k in prompts.TOKENIZER_KWARGS and k != "max_length" else gen)[k] = v
         backend = take_backend(gen) if gen else None  # remote: the weights stay on the server
         if backend is None:
             self.dispatch()
@@ -458,11 +458,12 @@ class Generator(Tracer):
                 "model.generator would hide; rename it to trace generate on this model"
             )
         hf._modules["generator"] = gen  # so the trace counts its call and serves its output
-        gen.attached = True
+        flags = gen.__dict__  # (plain attributes: set without Module.__setattr__'s checks)
+        flags["attached"] = True
         try:
             super()._run(scope)
         finally:
-            gen.attached = False
+            flags["attached"] = False
             del hf._modules["generator"]
 
     def _forward(self, inter, args: tuple, kwargs: dict):
@@ -474,11 +475,11 @@ class Generator(Tracer):
         user = gen.get("streamer")
         if user is not None or "streamer" in _names_read(self._body.code):
             gen = dict(gen, streamer=streamer)
-            streamer.target = user
+            streamer.__dict__["target"] = user
         try:
             out = model._run_generate(args, kwargs, gen)
         finally:
-            streamer.target = None
+            streamer.__dict__["target"] = None
         # The model makes no more calls: bodies looping over steps leave their loops now, so
         # code after the loop can read model.generator.output, served by the call below.
         inter.end_iterations()
