@@ -320,9 +320,9 @@ class LanguageModel(NNsight):
         a ``with`` (or with ``trace=False``) it returns generate's output directly.
         """
         # max_length means generate's total length here; per-invoke truncation can still use it
-        tok = {k: v for k, v in kwargs.items()
-               if k in prompts.TOKENIZER_KWARGS and k != "max_length"}
-        gen = {k: v for k, v in kwargs.items() if k not in tok}
+        tok, gen = {}, {}
+        for k, v in kwargs.items():
+            (tok if k in prompts.TOKENIZER_KWARGS and k != "max_length" else gen)[k] = v
         backend = take_backend(gen) if gen else None  # remote: the weights stay on the server
         if backend is None:
             self.dispatch()
@@ -357,31 +357,53 @@ class LanguageModel(NNsight):
     def _batch_inputs(self, prepared: list):
         """Left-pad every invoke's rows to one length and stack them (one forward); check the
         ids against the vocabulary; move them to the input embedding's device."""
-        try:
-            emb = self._module.get_input_embeddings()
-        except (AttributeError, NotImplementedError):
-            emb = None
-        vocab = getattr(emb, "num_embeddings", None)
-        args, kwargs, sizes = prompts.batch(prepared, self.tokenizer, vocab,
+        emb = self._input_embedding()
+        args, kwargs, sizes = prompts.batch(prepared, self._tokenizer,
+                                            getattr(emb, "num_embeddings", None),
                                             self._takes_position_ids())
         try:
             device = emb.weight.device
         except AttributeError:
-            device = None
-        if device is not None:
-            kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                      for k, v in kwargs.items()}
+            return args, kwargs, sizes
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor) and v.device != device:
+                kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                          for k, v in kwargs.items()}
+                break
         return args, kwargs, sizes
+
+    def _input_embedding(self):
+        """``get_input_embeddings()`` of the model (None where it has none), remembered while
+        every module on the path from the root to it is still the one there: a new embedding
+        (``set_input_embeddings``, ``resize_token_embeddings``), a replaced module on the way
+        or a new root asks the model again. Held by weak references only."""
+        root = self._module
+        hit = self.__dict__.get("_emb_hit")
+        if hit is not None and hit[0]() is root:
+            module = root
+            for name, ref in hit[1]:
+                module = module._modules.get(name)
+                if module is None or module is not ref():
+                    break
+            else:
+                return module
+        try:
+            emb = root.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            emb = None
+        self.__dict__["_emb_hit"] = _path_refs(root, emb)
+        return emb
 
     def _takes_position_ids(self) -> bool:
         cls = type(self._module)
-        takes = _TAKES_POSITION_IDS.get(cls)
-        if takes is None:
-            try:
-                takes = "position_ids" in inspect.signature(cls.forward).parameters
-            except (TypeError, ValueError):
-                takes = False
-            _TAKES_POSITION_IDS[cls] = takes
+        hit = self.__dict__.get("_pos_hit")
+        if hit is not None and hit[0] is cls:
+            return hit[1]
+        try:
+            takes = "position_ids" in inspect.signature(cls.forward).parameters
+        except (TypeError, ValueError):
+            takes = False
+        self.__dict__["_pos_hit"] = (cls, takes)
         return takes
 
     # ---- generation
@@ -436,11 +458,12 @@ class Generator(Tracer):
                 "model.generator would hide; rename it to trace generate on this model"
             )
         hf._modules["generator"] = gen  # so the trace counts its call and serves its output
-        gen.attached = True
+        flags = gen.__dict__  # (plain attributes: set without Module.__setattr__'s checks)
+        flags["attached"] = True
         try:
             super()._run(scope)
         finally:
-            gen.attached = False
+            flags["attached"] = False
             del hf._modules["generator"]
 
     def _forward(self, inter, args: tuple, kwargs: dict):
@@ -452,11 +475,11 @@ class Generator(Tracer):
         user = gen.get("streamer")
         if user is not None or "streamer" in _names_read(self._body.code):
             gen = dict(gen, streamer=streamer)
-            streamer.target = user
+            streamer.__dict__["target"] = user
         try:
             out = model._run_generate(args, kwargs, gen)
         finally:
-            streamer.target = None
+            streamer.__dict__["target"] = None
         # The model makes no more calls: bodies looping over steps leave their loops now, so
         # code after the loop can read model.generator.output, served by the call below.
         inter.end_iterations()
@@ -473,8 +496,6 @@ class Generator(Tracer):
 _LOADS_FIRST = frozenset({"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type",
                           "xpu", "mps"})
 
-_TAKES_POSITION_IDS: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
-
 #: GPT-2 names (and a few others) users bring to a Llama-style model, and where to look instead.
 _ARCH_HINTS = {
     "transformer": "GPT-2 keeps its blocks at model.transformer.h; Llama-style models keep "
@@ -486,6 +507,23 @@ _ARCH_HINTS = {
               "model.transformer.h.",
     "model": "Llama-style models keep the decoder at model.model; GPT-2 at model.transformer.",
 }
+
+
+def _path_refs(root: torch.nn.Module, target) -> "tuple | None":
+    """``(weakref(root), ((name, weakref(child)), ...))`` along the path from ``root`` down to
+    the submodule ``target``; None where ``target`` is not in ``root``'s tree."""
+    if not isinstance(target, torch.nn.Module):
+        return None
+    for path, module in root.named_modules(remove_duplicate=False):
+        if module is target:
+            break
+    else:
+        return None
+    steps, module = [], root
+    for name in path.split(".") if path else ():
+        module = module._modules[name]
+        steps.append((name, weakref.ref(module)))
+    return weakref.ref(root), tuple(steps)
 
 
 def _on_meta(module: torch.nn.Module) -> bool:

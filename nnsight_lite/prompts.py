@@ -203,9 +203,10 @@ def check_not_empty(ids: torch.Tensor, mask: torch.Tensor) -> None:
 
 def check_vocab(ids: torch.Tensor, vocab: int | None) -> None:
     """Every id is in ``0..vocab-1`` (skipped on the meta device)."""
-    if ids.device.type == "meta":
+    if ids.is_meta:
         return
-    lo, hi = (int(v) for v in ids.aminmax())
+    lo, hi = ids.aminmax()
+    lo, hi = int(lo), int(hi)
     if lo < 0 or (vocab is not None and hi >= vocab):
         bad = lo if lo < 0 else hi
         valid = f"0..{vocab - 1}" if vocab is not None else "non-negative"
@@ -221,43 +222,53 @@ def batch(prepared: list, tokenizer, vocab: int | None, position_ids: bool):
 
     With ``position_ids`` and some padding, adds position ids counted over the attention mask.
     """
+    if len(prepared) == 1:  # one invoke (a trace given its prompt): nothing to pad
+        _, kwargs, size = prepared[0]
+        if type(kwargs["input_ids"]) is Texts:
+            kwargs = _tokenized([kwargs], tokenizer)[0]
+        ids = kwargs["input_ids"]
+        check_vocab(ids, vocab)
+        kwargs = dict(kwargs)
+        if kwargs["attention_mask"] is None:
+            kwargs["attention_mask"] = torch.ones_like(ids)
+            return (), kwargs, [size]
+        return (), _with_position_ids(kwargs, position_ids), [size]
     sizes = [n for _, _, n in prepared]
     kws = [k for _, k, _ in prepared]
     if any(type(k["input_ids"]) is Texts for k in kws):
         kws = _tokenized(kws, tokenizer)
-    first = kws[0]
-    if len(kws) == 1:
-        kwargs = dict(first)
-        ids = kwargs["input_ids"]
+    width = kws[0]["input_ids"].shape[1]
+    if all(len(k) == 2 and k["input_ids"].shape[1] == width for k in kws):
+        # one length and no other keys (a loop over token-id prompts): no padding to add
+        ids = torch.cat([k["input_ids"] for k in kws])
         check_vocab(ids, vocab)
-        full = kwargs["attention_mask"] is None
-        if full:
-            kwargs["attention_mask"] = torch.ones_like(ids)
+        full = all(k["attention_mask"] is None for k in kws)
+        mask = torch.ones_like(ids) if full else torch.cat([_mask_of(k) for k in kws])
+        kwargs = {"input_ids": ids, "attention_mask": mask}
     else:
-        width = first["input_ids"].shape[1]
-        if all(len(k) == 2 and k["input_ids"].shape[1] == width for k in kws):
-            # one length and no other keys (a loop over token-id prompts): no padding to add
-            ids = torch.cat([k["input_ids"] for k in kws])
-            check_vocab(ids, vocab)
-            full = all(k["attention_mask"] is None for k in kws)
-            mask = torch.ones_like(ids) if full else torch.cat([_mask_of(k) for k in kws])
-            kwargs = {"input_ids": ids, "attention_mask": mask}
-        else:
-            full = False
-            check_vocab(torch.cat([k["input_ids"].reshape(-1) for k in kws]), vocab)
-            width = max(k["input_ids"].shape[1] for k in kws)
-            pad = _pad_id(tokenizer)
-            ids = torch.cat([pad_left(k["input_ids"], width, pad) for k in kws])
-            mask = torch.cat([pad_left(_mask_of(k), width, 0) for k in kws])
-            rest = [((), {n: v for n, v in k.items() if n not in ("input_ids", "attention_mask")})
-                    for k in kws]
-            _, kwargs, _ = concat_inputs(rest, sizes)
-            kwargs = {"input_ids": ids, "attention_mask": mask, **kwargs}
+        full = False
+        check_vocab(torch.cat([k["input_ids"].reshape(-1) for k in kws]), vocab)
+        width = max(k["input_ids"].shape[1] for k in kws)
+        pad = _pad_id(tokenizer)
+        ids = torch.cat([pad_left(k["input_ids"], width, pad) for k in kws])
+        mask = torch.cat([pad_left(_mask_of(k), width, 0) for k in kws])
+        rest = [((), {n: v for n, v in k.items() if n not in ("input_ids", "attention_mask")})
+                for k in kws]
+        _, kwargs, _ = concat_inputs(rest, sizes)
+        kwargs = {"input_ids": ids, "attention_mask": mask, **kwargs}
+    if full:
+        return (), kwargs, sizes
+    return (), _with_position_ids(kwargs, position_ids), sizes
+
+
+def _with_position_ids(kwargs: dict, position_ids: bool) -> dict:
+    """``kwargs`` with position ids counted over the attention mask where it has padding (and
+    the model takes them, and none were given), as HF generate counts them: padding does not
+    shift a prompt's positions."""
     mask = kwargs["attention_mask"]
-    if position_ids and not full and "position_ids" not in kwargs and not bool(mask.all()):
-        # as HF generate counts them: padding does not shift a prompt's positions
+    if position_ids and "position_ids" not in kwargs and not bool(mask.all()):
         kwargs["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    return (), kwargs, sizes
+    return kwargs
 
 
 def _mask_of(kw: dict) -> torch.Tensor:

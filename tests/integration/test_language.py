@@ -338,6 +338,32 @@ class TestInputs:
                 with tracer.invoke(torch.tensor([[bad, 5]])):
                     pass
 
+    @pytest.mark.parametrize("how", ["set_input_embeddings", "replace_base_model"])
+    def test_vocabulary_follows_a_new_input_embedding(self, lm, how):
+        """The vocabulary check uses the model's input embedding as it is at each trace: after
+        ``set_input_embeddings`` (or a replaced module on the way to it) an id valid only for
+        the new embedding runs, matching the plain forward, and one past it is refused."""
+        hf = lm._module
+        old_vocab = hf.get_input_embeddings().num_embeddings
+        with lm.trace(torch.tensor([[4, 5]])):
+            pass
+        vocab = old_vocab + 8
+        if how == "set_input_embeddings":
+            hf.set_input_embeddings(torch.nn.Embedding(vocab, hf.config.n_embd))
+        else:
+            config = type(hf.config).from_dict({**hf.config.to_dict(), "vocab_size": vocab})
+            setattr(hf, hf.base_model_prefix, type(hf.base_model)(config).eval())
+        ids = torch.tensor([[4, old_vocab + 3]])
+        with lm.trace(ids):
+            hidden = layers(lm, "gpt2")[-1].output.save()
+        with torch.no_grad():
+            plain = hf.base_model(ids).last_hidden_state
+        assert torch.equal(hf.base_model.ln_f(hidden), plain)
+        with pytest.raises(InputError, match=rf"token id {vocab} is outside this model's "
+                                             rf"vocabulary \(valid ids: 0..{vocab - 1}\)"):
+            with lm.trace(torch.tensor([[4, vocab]])):
+                pass
+
     def test_tokenizer_kwargs_apply_per_invoke(self, lm):
         with lm.trace() as tracer:
             with tracer.invoke("the big red dog sat on the mat", max_length=3, truncation=True):
