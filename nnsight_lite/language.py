@@ -365,11 +365,9 @@ class LanguageModel(NNsight):
             device = emb.weight.device
         except AttributeError:
             return args, kwargs, sizes
-        for k, v in kwargs.items():
-            if isinstance(v, torch.Tensor) and v.device != device:
-                kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                          for k, v in kwargs.items()}
-                break
+        if any(isinstance(v, torch.Tensor) and v.device != device for v in kwargs.values()):
+            kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                      for k, v in kwargs.items()}
         return args, kwargs, sizes
 
     def _input_embedding(self):

@@ -19,6 +19,23 @@ def _stack():
     return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
 
 
+def _doubled_twice():
+    """A fresh ``Double`` class (its own, so a test may change it), ``Sequential(Double())``,
+    its NNsight wrapper and an input, after two traces (the second reuses the first's walk)
+    that each saw the doubled output."""
+
+    class Double(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    net = torch.nn.Sequential(Double())
+    model = NNsight(net)
+    x = torch.ones(2, 4)
+    assert torch.equal(_trace_out(model, x, 0), x * 2)
+    assert torch.equal(_trace_out(model, x, 0), x * 2)
+    return Double, net, model, x
+
+
 def _trace_out(model, x, i):
     with model.trace(x):
         h = model[i].output.save()
@@ -78,16 +95,7 @@ class TestBetweenTraces:
 
     def test_a_class_forward_replaced_between_traces_is_run(self):
         """Replacing a class's ``forward`` between traces changes what the next trace runs."""
-
-        class Double(torch.nn.Module):
-            def forward(self, x):
-                return x * 2
-
-        net = torch.nn.Sequential(Double())
-        model = NNsight(net)
-        x = torch.ones(2, 4)
-        assert torch.equal(_trace_out(model, x, 0), x * 2)
-        assert torch.equal(_trace_out(model, x, 0), x * 2)
+        Double, net, model, x = _doubled_twice()
         Double.forward = lambda self, x: x * 3
         assert torch.equal(_trace_out(model, x, 0), x * 3)
 
@@ -115,19 +123,11 @@ class TestBetweenTraces:
     def test_a_module_class_swapped_between_traces_is_run(self):
         """``module.__class__ = Other`` between traces: the next trace runs Other's forward."""
 
-        class Double(torch.nn.Module):
-            def forward(self, x):
-                return x * 2
-
         class Triple(torch.nn.Module):
             def forward(self, x):
                 return x * 3
 
-        net = torch.nn.Sequential(Double())
-        model = NNsight(net)
-        x = torch.ones(2, 4)
-        assert torch.equal(_trace_out(model, x, 0), x * 2)
-        assert torch.equal(_trace_out(model, x, 0), x * 2)
+        _, net, model, x = _doubled_twice()
         net[0].__class__ = Triple
         assert torch.equal(_trace_out(model, x, 0), x * 3)
 
