@@ -228,11 +228,16 @@ class Tracer(BodyContext):
             if self._scan:
                 _run_fake(inter, self.model, args, kwargs)
             else:
-                inter.run(lambda: self._forward(inter, args, kwargs))
+                self._drive(inter, lambda: self._forward(inter, args, kwargs))
         finally:
             self._inter = None
             for made_scope in made:
                 made_scope.reset()
+
+    def _drive(self, inter: Interleaver, forward) -> None:
+        """Run ``forward()`` with the bodies interleaved (``model.generate`` runs it on a
+        worker greenlet; see language.py)."""
+        inter.run(forward)
 
     def _forward(self, inter: Interleaver, args: tuple, kwargs: dict):
         """What runs under the interleaver: the model's forward (``model.generate`` runs HF

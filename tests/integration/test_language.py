@@ -557,6 +557,26 @@ class TestGenerate:
         assert torch.equal(torch.cat([a, b]), plain)
         assert torch.equal(tracer.result, plain)
 
+    def test_the_model_runs_with_no_exception_being_handled(self, lm, hf):
+        """As under plain HF generate, the model's code sees no exception being handled
+        (``sys.exc_info()``) while a generate block runs it, so the errors HF raises and
+        catches inside are not chained to the with-statement's own."""
+        import sys
+
+        seen = []
+        record = (lambda step, out: seen.append(sys.exc_info()[0]))
+        plain_generate(hf, tokenize(lm, PROMPTS[:1]), 3, hooks=[(hf.lm_head, record)])
+        plain = list(seen)
+        seen.clear()
+        handle = lm._module.lm_head.register_forward_hook(lambda m, i, o: record(0, o))
+        try:
+            with lm.generate(PROMPTS[0], max_new_tokens=3, do_sample=False):
+                ids = lm.generator.output.save()
+        finally:
+            handle.remove()
+        assert ids.shape[1] == tokenize(lm, PROMPTS[:1])["input_ids"].shape[1] + 3
+        assert plain == seen == [None] * 3
+
     def test_steps_are_calls(self, lm, hf):
         """Step i's lm_head output is HF generate's logits at step i, read with .next(),
         tracer.iter[i], tracer.iter[a:b] and tracer.all()."""
