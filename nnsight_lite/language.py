@@ -27,7 +27,6 @@ the padding).
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 import os
 import sys
@@ -42,7 +41,6 @@ from .errors import InputError, NNsightError
 from .model import NNsight
 from .remote.hook import take_backend, wants_remote
 from .tracing import Tracer, _names_read
-from .workers import _take_worker, switch_job
 
 #: Keyword arguments of ``LanguageModel(...)`` that also apply to loading the config.
 _CONFIG_KWARGS = frozenset({
@@ -465,15 +463,6 @@ class Generator(Tracer):
         finally:
             flags["attached"] = False
             del hf._modules["generator"]
-
-    def _drive(self, inter, forward) -> None:
-        # HF generate runs on a worker greenlet, where no exception is being handled (here the
-        # with-statement's exit is handling the skipped body's SkipBody): Python then makes
-        # each of the hundreds of AttributeErrors HF raises and clears at every step into an
-        # exception object chained to it; in the worker they stay cheap.
-        worker = _take_worker()
-        worker.gr_context = contextvars.copy_context()
-        switch_job(worker, lambda: inter.run(forward))
 
     def _forward(self, inter, args: tuple, kwargs: dict):
         model = self.model

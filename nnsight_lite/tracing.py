@@ -10,6 +10,7 @@ inputs and runs the model once with every invoke body interleaved.
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import sys
 
@@ -22,7 +23,7 @@ from .errors import InputError, NNsightError
 from .interleaver import Interleaver
 from .mediator import _MISSING, StopTrace, _collecting, current_mediator, wait_for_name
 from .remote.hook import take_backend
-from .workers import _getcurrent, user_location
+from .workers import _getcurrent, _take_worker, switch_job, user_location
 
 _CPU = torch.device("cpu")
 
@@ -235,9 +236,13 @@ class Tracer(BodyContext):
                 made_scope.reset()
 
     def _drive(self, inter: Interleaver, forward) -> None:
-        """Run ``forward()`` with the bodies interleaved (``model.generate`` runs it on a
-        worker greenlet; see language.py)."""
-        inter.run(forward)
+        """Run ``forward()`` with the bodies interleaved, on a worker greenlet: here the
+        with-statement's exit is handling the skipped body's ``SkipBody``, and Python would
+        chain to it every error the model's code raises and catches (HF raises hundreds of
+        AttributeErrors a generate step); in the worker no exception is being handled."""
+        worker = _take_worker()
+        worker.gr_context = contextvars.copy_context()
+        switch_job(worker, lambda: inter.run(forward))
 
     def _forward(self, inter: Interleaver, args: tuple, kwargs: dict):
         """What runs under the interleaver: the model's forward (``model.generate`` runs HF

@@ -53,6 +53,25 @@ class TestReading:
         model = NNsight(net)
         torch.testing.assert_close(model(x8)["logits"], net(x8)["logits"], rtol=0, atol=0)
 
+    def test_the_model_runs_with_no_exception_being_handled(self, seq):
+        """As in a plain call, the model's code sees no exception being handled while a trace
+        runs it (the with-statement skipped its body with one), so an error it raises gets no
+        context: the errors a model raises and catches stay as cheap as outside a trace."""
+        import sys
+
+        seen = []
+        handle = seq[0].register_forward_hook(lambda m, i, o: seen.append(sys.exc_info()))
+        try:
+            seq(torch.randn(2, 6))
+            model = NNsight(seq)
+            with model.trace(torch.randn(2, 6)):
+                model[1].output.save()
+            with model.trace(torch.randn(2, 6)):  # no body reads anything
+                pass
+        finally:
+            handle.remove()
+        assert seen == [(None, None, None)] * 3
+
     def test_trace_false_returns_output(self, net, x8):
         model = NNsight(net)
         out = model.trace(x8, trace=False)
