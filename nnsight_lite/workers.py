@@ -93,6 +93,8 @@ def _guarded(fn, args):
     """``(fn(*args), None)``, or ``(None, exc)`` for a StopIteration it raised, which the
     chain in ``padded`` would take for its own end and drop."""
     try:
+        if not args:  # (a worker's)
+            return fn(), None
         if len(args) == 1:  # (a plain call: ``fn(*args)`` adds a native frame of ~370 bytes)
             return fn(args[0]), None
         return fn(*args), None
@@ -100,8 +102,9 @@ def _guarded(fn, args):
         return None, exc
 
 
-def _worker_main(job):
+def _worker_main():
     me = _getcurrent()
+    job = me.parent.switch()  # (started empty by _take_worker: every job comes by a switch)
     while True:
         try:
             job()
@@ -118,6 +121,10 @@ def _take_worker() -> BodyGreenlet:
         w.parent = _getcurrent()
         return w
     w = BodyGreenlet(padded(_worker_main), _getcurrent())
+    # A greenlet holds the arguments of its first switch for as long as its first function
+    # runs, which for a pooled worker is for good: started here with none, it waits for its
+    # jobs like any pooled worker, and holds none of them (nor their traces and models) after.
+    w.switch()
     _workers.add(w)
     return w
 

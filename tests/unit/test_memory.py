@@ -154,3 +154,31 @@ def test_traces_free_everything_without_the_garbage_collector(seq):
                functions_bound_in_invoke_and_edit_bodies):
         fn()  # warm the caches first (compiled bodies are kept)
         assert cycles_left_by(fn) == [], fn.__name__
+
+
+@pytest.mark.parametrize("invokes", [1, 2])
+def test_a_model_traced_by_new_workers_is_freed(invokes):
+    """A trace run while no pooled worker greenlet is idle makes new ones (for its forward
+    and its bodies); they stay pooled for later traces but must hold nothing of this one:
+    the model, its inputs and the activations it made go when the user drops them."""
+    from nnsight_lite import workers
+
+    net = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 6))
+    x = torch.randn(2, 6)
+    refs = [weakref.ref(net), weakref.ref(net[0]), weakref.ref(x)]
+    idle = getattr(workers._pool, "idle", [])
+    pooled, idle[:] = list(idle), []  # (so this trace has to make its workers)
+    try:
+        model = NNsight(net)
+        with model.trace() as tracer:
+            for _ in range(invokes):
+                with tracer.invoke(x):
+                    h = model[0].output
+                    refs.append(weakref.ref(h))
+                    out = model.output.save()
+        assert len(getattr(workers._pool, "idle", [])) >= invokes + 1  # the new workers
+        del model, tracer, net, x, out
+        gc.collect()
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        idle.extend(pooled)
