@@ -110,8 +110,8 @@ class Slot:
 class Interleaver:
     """Runs one forward with its invoke bodies interleaved. One instance per trace."""
 
-    #: what messages call the bodies of the model's persistent edits (its first mediators)
-    edit_labels: tuple = ()
+    #: the bodies of the model's persistent edits, run by its first mediators (for messages)
+    edits: tuple = ()
     #: replacements that changed a value's shape, noted on an error the forward raises after
     reshaped: "tuple | list" = ()
 

@@ -139,14 +139,18 @@ class Mediator:
     def label(self) -> str:
         """How messages name this body: ``invoke 2`` (counting the trace's own invokes from 0),
         or the model's persistent edit it runs (edits come first, see tracing._add_edits)."""
-        edits = self.interleaver.edit_labels
-        if self.index < len(edits):
-            return edits[self.index]
-        return f"invoke {self.index - len(edits)}"
+        edits = self.interleaver.edits
+        if self.index >= len(edits):
+            return f"invoke {self.index - len(edits)}"
+        body = edits[self.index]
+        code = body.code  # (a remote edit's body has only its code)
+        at = f"{getattr(body, 'filename', code.co_filename)}:" \
+             f"{getattr(body, 'lineno', code.co_firstlineno)}"
+        return f"the model's persistent edit (made by `with model.edit(...)` at {at})"
 
     def _raised_in(self) -> str:
         """The note an exception leaving this body gets, where the trace runs several."""
-        if self.index < len(self.interleaver.edit_labels):
+        if self.index < len(self.interleaver.edits):
             return (f"nnsight_lite: raised in {self.label()}, which runs in every trace of this "
                     "model before the trace's own bodies; model.clear_edits() removes it")
         return f"nnsight_lite: raised in the body of {self.label()} of this trace"

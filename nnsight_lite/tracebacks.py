@@ -33,6 +33,7 @@ from .compat import CONFIG
 from .workers import _PACKAGE_DIR, _note, _worker_main, user_location
 
 _WORKER = _worker_main.__code__
+_TENSOR = torch.Tensor
 _PLUMBING = frozenset({"_wrapped_call_impl", "_call_impl", "decorate_context"})
 _TORCH_FILES = (os.sep + os.path.join("torch", "nn", "modules", "module.py"),
                 os.sep + os.path.join("torch", "utils", "_contextlib.py"))
@@ -112,6 +113,8 @@ def record_reshape(med, envoy, kind: str, old, new) -> None:
     """Called when ``med``'s body sets ``envoy``'s ``kind`` (``"output"``/``"input"``) to
     ``new`` where the model produced ``old``: if a tensor in it changes shape, keep a line
     saying so on the trace's interleaver, for :func:`note_reshaped`."""
+    if new.__class__ is _TENSOR and old.__class__ is _TENSOR and new.shape == old.shape:
+        return  # (the usual case, first: plain tensors of one shape)
     found = _shape_change(old, new)
     if found is None:
         return

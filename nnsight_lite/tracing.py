@@ -258,23 +258,15 @@ def _add_edits(inter: Interleaver, model) -> list:
     """Add ``model``'s persistent edits to ``inter`` (they run first, on the whole batch);
     return the scopes made for them."""
     made = []
-    labels = []
-    for body, snapshot, f_globals, selves in model._edits:
+    edits = model._edits
+    inter.edits = tuple(body for body, _, _, _ in edits)  # (messages name these bodies by it)
+    for body, snapshot, f_globals, selves in edits:
         if selves:  # the names that meant the edited model mean the model traced now
             snapshot = {**snapshot, **dict.fromkeys(selves, model)}
         edit_scope = Scope(snapshot, f_globals, RUNTIME, wait_for_name)
         made.append(edit_scope)
         inter.add(body_job(body.code, edit_scope), None, edit_scope)
-        labels.append(_edit_label(body))
-    inter.edit_labels = tuple(labels)
     return made
-
-
-def _edit_label(body) -> str:
-    """How messages name an edit's body: by the ``with model.edit(...)`` line that made it."""
-    code = body.code
-    where = f"{getattr(body, 'filename', code.co_filename)}:{getattr(body, 'lineno', code.co_firstlineno)}"
-    return f"the model's persistent edit (made by `with model.edit(...)` at {where})"
 
 
 def _run_fake(inter: Interleaver, model, args, kwargs):
