@@ -143,10 +143,8 @@ class Mediator:
         if self.index >= len(edits):
             return f"invoke {self.index - len(edits)}"
         body = edits[self.index]
-        code = body.code  # (a remote edit's body has only its code)
-        at = f"{getattr(body, 'filename', code.co_filename)}:" \
-             f"{getattr(body, 'lineno', code.co_firstlineno)}"
-        return f"the model's persistent edit (made by `with model.edit(...)` at {at})"
+        return ("the model's persistent edit (made by `with model.edit(...)` at "
+                f"{body.filename}:{body.lineno})")
 
     def _raised_in(self) -> str:
         """The note an exception leaving this body gets, where the trace runs several."""
