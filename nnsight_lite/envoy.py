@@ -279,8 +279,12 @@ class Envoy:
 
     def _no_such(self, name: str) -> ModulePathError:
         children = list(self._module._modules)
+        aliases = list(self._tree.aliases.get(self._mpath, ()))
+        # the Envoy's own names (output, input, inputs, next, source, trace, ...) and the module's
+        own = [a for a in dir(type(self)) if not a.startswith("_")]
         attrs = [a for a in dir(self._module) if not a.startswith("_")]
-        near = difflib.get_close_matches(name, list(dict.fromkeys(children + attrs)), n=3, cutoff=0.6)
+        known = list(dict.fromkeys(children + aliases + own + attrs))
+        near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
         hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
         kids = ", ".join(children[:12]) + (", ..." if len(children) > 12 else "")
         return ModulePathError(

@@ -7,7 +7,11 @@ about us.
 Error flow: a mistake made inside a trace body (reading a module out of order, a module that
 never runs) is raised *inside the body's greenlet*, at the line that asked, so the traceback
 points at the user's own code. Exceptions the user's code raises are never wrapped: they reach
-the caller unchanged, after the trace has removed its hooks and finished every body.
+the caller unchanged, after the trace has removed its hooks and finished every body. Context is
+added as notes (``add_note``): which invoke's body raised, where a trace runs several; that a
+persistent edit's body raised (named by its ``with model.edit(...)`` line); and, on an error the
+model's own forward raises, each earlier replacement of a value by one of another shape (module
+path, invoke, line, both shapes: tracebacks.record_reshape).
 
     NNsightError
     ├── OutOfOrderError        (RuntimeError)   a value requested after its module already ran

@@ -35,6 +35,7 @@ from . import batching
 from .capture import IterationEnd
 from .errors import NNsightError, OutsideTraceError
 from .mediator import _DONE, _MISSING, INPUT, OUTPUT, Mediator, NameWait, StopTrace
+from .tracebacks import note_reshaped
 from .workers import (
     _getcurrent,
     attached,
@@ -109,6 +110,11 @@ class Slot:
 class Interleaver:
     """Runs one forward with its invoke bodies interleaved. One instance per trace."""
 
+    #: the bodies of the model's persistent edits, run by its first mediators (for messages)
+    edits: tuple = ()
+    #: replacements that changed a value's shape, noted on an error the forward raises after
+    reshaped: "tuple | list" = ()
+
     def __init__(self, root: torch.nn.Module, total: int = 1, home: "dict | None" = None):
         self.root = root
         # where the model's _Plan is kept between traces: the wrapper's __dict__. Keeping it on
@@ -160,6 +166,10 @@ class Interleaver:
             except StopTrace:
                 self.stopped_early = True
                 output = None
+            except Exception as exc:
+                if self.reshaped:
+                    note_reshaped(exc, self.reshaped)
+                raise
             self.finished = True
             if not self.stopped_early:
                 self._finish()

@@ -23,6 +23,7 @@ from .errors import (
     OutOfOrderError,
     OutsideTraceError,
 )
+from .tracebacks import record_reshape
 from .workers import (
     _FINISHED,
     INFERENCE_BIT,
@@ -135,6 +136,23 @@ class Mediator:
         self.snapshot = None  # the trace body's names as of this invoke
         self.assigned = ()  # the names this invoke's body may bind (what publish copies)
 
+    def label(self) -> str:
+        """How messages name this body: ``invoke 2`` (counting the trace's own invokes from 0),
+        or the model's persistent edit it runs (edits come first, see tracing._add_edits)."""
+        edits = self.interleaver.edits
+        if self.index >= len(edits):
+            return f"invoke {self.index - len(edits)}"
+        body = edits[self.index]
+        return ("the model's persistent edit (made by `with model.edit(...)` at "
+                f"{body.filename}:{body.lineno})")
+
+    def _raised_in(self) -> str:
+        """The note an exception leaving this body gets, where the trace runs several."""
+        if self.index < len(self.interleaver.edits):
+            return (f"nnsight_lite: raised in {self.label()}, which runs in every trace of this "
+                    "model before the trace's own bodies; model.clear_edits() removes it")
+        return f"nnsight_lite: raised in the body of {self.label()} of this trace"
+
     # ---- parent side
 
     def start(self, parent_state=None) -> None:
@@ -175,7 +193,7 @@ class Mediator:
             if now != parent_state:
                 set_tls_state(parent_state, now)
             if isinstance(exc, Exception) and len(self.interleaver.mediators) > 1:
-                _note(exc, f"nnsight_lite: raised in the body of invoke {self.index} of this trace")
+                _note(exc, self._raised_in())
             raise
         if self.shared is not None:
             self.publish()
@@ -185,7 +203,7 @@ class Mediator:
             set_tls_state(parent_state, now)
             if (now ^ parent_state) & INFERENCE_BIT:
                 return self.resume(None, InferenceModeSwitchError(
-                    f"invoke {self.index} waited for a module value inside its own "
+                    f"{self.label()} waited for a module value inside its own "
                     "torch.inference_mode() block; the model's forward cannot switch inference "
                     "mode for it. Put the whole trace inside `with torch.inference_mode():` "
                     "instead, or use torch.no_grad() in the body."
@@ -251,7 +269,9 @@ class Mediator:
 
     def set(self, envoy, kind, value) -> None:
         """Replace ``envoy``'s ``kind`` at this body's current call with ``value``."""
-        self.get(envoy, kind)
+        old = self.get(envoy, kind)
+        if value is not old:  # one of another shape is noted on an error it leads to
+            record_reshape(self, envoy, kind, old, value)
         self.cur_value = value
         self.replaced = True
 
@@ -261,7 +281,7 @@ class Mediator:
         what = f"{envoy._path}.{kind}" + (f" (call {call})" if call else "")
         if self.interleaver.finished:
             return MissedModuleError(
-                f"invoke {self.index} asked for {what} at {where}, after the model's forward "
+                f"{self.label()} asked for {what} at {where}, after the model's forward "
                 "had already finished. Read module values while the model runs, before the end "
                 "of the body's last model access."
             )
@@ -269,7 +289,7 @@ class Mediator:
         now = f" (the forward is now at {pos[0].label()}.{pos[1]}" + (
             f", call {pos[2]})" if pos[2] else ")") if pos else ""
         return OutOfOrderError(
-            f"invoke {self.index} asked for {what} at {where}, but {envoy._path} has already "
+            f"{self.label()} asked for {what} at {where}, but {envoy._path} has already "
             f"run that call{now}. A body must read module values in the order the model "
             "computes them: move this line above the access to the later module, or read it "
             "in a separate trace."
@@ -298,4 +318,4 @@ class Mediator:
                 f"{path} ran only {slot.calls} time(s) in this forward, so call {call} never "
                 "happened (check .next() and tracer.iter indices)"
             )
-        return MissedModuleError(f"invoke {self.index} waited for {what} at {where}, but {reason}.")
+        return MissedModuleError(f"{self.label()} waited for {what} at {where}, but {reason}.")

@@ -45,11 +45,10 @@ from .backward import (
     read_grad,
     set_grad,
 )
-from .capture import Scope
-from .context import RUNTIME, body_job
 from .errors import GradientError, NoSourceError
 from .interleaver import Interleaver
-from .mediator import _DONE, Mediator, StopTrace, wait_for_name
+from .mediator import _DONE, Mediator, StopTrace
+from .tracing import _add_edits, _run_fake
 from .workers import _getcurrent, padded, set_tls_state, tls_state, user_location
 
 _ENDED = object()  # what the backward greenlet returns when backprop is over
@@ -94,20 +93,12 @@ def enter_inline_trace(tracer) -> None:
     prepared = model._prepare_inputs(*tracer._args, **tracer._kwargs)
     args, kwargs, sizes = model._batch_inputs([prepared])
     inter = Interleaver(model._module, sum(sizes), model.__dict__)
-    made = []
-    for body, snapshot, f_globals, selves in model._edits:  # persistent edits run first
-        if selves:
-            snapshot = {**snapshot, **dict.fromkeys(selves, model)}
-        edit_scope = Scope(snapshot, f_globals, RUNTIME, wait_for_name)
-        made.append(edit_scope)
-        inter.add(body_job(body.code, edit_scope), None, edit_scope)
+    made = _add_edits(inter, model) if model._edits else []  # persistent edits run first
     user = _getcurrent()
     med = InlineMediator(inter, len(inter.mediators), None)
     med.user = user
     inter.mediators.append(med)
     if tracer._scan:
-        from .tracing import _run_fake
-
         def run():
             _run_fake(inter, model, args, kwargs)
     else:

@@ -4,6 +4,10 @@
     clean(exc)             rewrite ``exc``'s traceback and context in place, unless
                            ``CONFIG.APP.DEBUG`` (or ``NNSIGHT_LITE_FULL_TRACEBACK=1`` at import)
                            asks for every frame, for debugging the runtime
+    record_reshape(...)    a body replaced a module value with one of another shape: remember
+                           who, where and the two shapes (called on the replacement path only)
+    note_reshaped(exc, r)  an error the model's forward raised after such replacements gets a
+                           note naming each (the module path, the invoke, the user's line)
 
 An error in a body travels: the body's frames, the worker greenlet that ran it, the model's
 forward that handed it a value, the interleaver, the ``with`` statement's ``__exit__``. Of
@@ -23,10 +27,13 @@ from __future__ import annotations
 import os
 import types
 
+import torch
+
 from .compat import CONFIG
-from .workers import _PACKAGE_DIR, _worker_main
+from .workers import _PACKAGE_DIR, _note, _worker_main, user_location
 
 _WORKER = _worker_main.__code__
+_TENSOR = torch.Tensor
 _PLUMBING = frozenset({"_wrapped_call_impl", "_call_impl", "decorate_context"})
 _TORCH_FILES = (os.sep + os.path.join("torch", "nn", "modules", "module.py"),
                 os.sep + os.path.join("torch", "utils", "_contextlib.py"))
@@ -70,3 +77,75 @@ def clean(exc: BaseException, skip_type) -> None:
         exc.__context__ = None
     if not CONFIG.APP.DEBUG:
         exc.__traceback__ = user_traceback(exc.__traceback__)
+
+
+def _shape_change(old, new, depth: int = 2):
+    """``(where, old, new)`` for the first tensor of ``new`` whose shape differs from the one
+    at the same place in ``old`` (``where`` an index path like ``[0][1]``); None if none.
+    Looks ``depth`` levels into tuples, lists and dicts (an input is ``(args, kwargs)``)."""
+    if old is new:
+        return None
+    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
+        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) \
+                and old.shape == new.shape:
+            return None
+        return "", old, new
+    if depth and isinstance(old, (tuple, list)) and isinstance(new, (tuple, list)):
+        pairs = enumerate(zip(old, new))
+    elif depth and isinstance(old, dict) and isinstance(new, dict):
+        pairs = ((k, (old[k], new[k])) for k in old if k in new)
+    else:
+        return None
+    for key, (a, b) in pairs:
+        found = _shape_change(a, b, depth - 1)
+        if found is not None:
+            return f"[{key!r}]{found[0]}", found[1], found[2]
+    return None
+
+
+def _what(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a tensor of shape {tuple(v.shape)}"
+    return f"a {type(v).__name__}"
+
+
+def record_reshape(med, envoy, kind: str, old, new) -> None:
+    """Called when ``med``'s body sets ``envoy``'s ``kind`` (``"output"``/``"input"``) to
+    ``new`` where the model produced ``old``: if a tensor in it changes shape, keep a line
+    saying so on the trace's interleaver, for :func:`note_reshaped`."""
+    if new.__class__ is _TENSOR and old.__class__ is _TENSOR and new.shape == old.shape:
+        return  # (the usual case, first: plain tensors of one shape)
+    found = _shape_change(old, new)
+    if found is None:
+        return
+    where, was, now = found
+    if kind == "input":  # (args, kwargs): the first argument is what `.input` names
+        name = ".input" if where == "[0][0]" else f".inputs{where}"
+    else:
+        name = f".{kind}{where}"
+    call = med.cur_key[2] if med.cur_key is not None else 0
+    inter = med.interleaver
+    if not inter.reshaped:
+        inter.reshaped = []
+    target = envoy._path + name
+    inter.reshaped.append(
+        f"nnsight_lite: this may come from a replaced value: {target}"
+        + (f" (call {call})" if call else "")
+        + f" was set by {med.label()} at {user_location()} to {_what(now)} in place of "
+        f"{_what(was)}. Give it the shape the model produced there, or edit the value in place "
+        f"(`{target}[:] = ...`)."
+    )
+
+
+def note_reshaped(exc: BaseException, reshaped: list) -> None:
+    """Note on ``exc``, an error from the model's forward, the replacements that changed a
+    value's shape before it (none if ``exc`` came from a body: the body's line says enough)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _WORKER:
+            return
+        tb = tb.tb_next
+    for line in reshaped[:3]:
+        _note(exc, line)
+    if len(reshaped) > 3:
+        _note(exc, f"nnsight_lite: ... and {len(reshaped) - 3} more replacement(s) of another shape")

@@ -258,7 +258,9 @@ def _add_edits(inter: Interleaver, model) -> list:
     """Add ``model``'s persistent edits to ``inter`` (they run first, on the whole batch);
     return the scopes made for them."""
     made = []
-    for body, snapshot, f_globals, selves in model._edits:
+    edits = model._edits
+    inter.edits = tuple(body for body, _, _, _ in edits)  # (messages name these bodies by it)
+    for body, snapshot, f_globals, selves in edits:
         if selves:  # the names that meant the edited model mean the model traced now
             snapshot = {**snapshot, **dict.fromkeys(selves, model)}
         edit_scope = Scope(snapshot, f_globals, RUNTIME, wait_for_name)

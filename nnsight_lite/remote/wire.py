@@ -225,12 +225,15 @@ def _ship_edit(edit) -> tuple:
 
 
 class _EditBody:
-    """What Tracer._run needs of an edit's body: its code."""
+    """What Tracer._run needs of an edit's body: its code, and where its with-statement is
+    (for messages naming the edit)."""
 
-    __slots__ = ("code",)
+    __slots__ = ("code", "filename", "lineno")
 
-    def __init__(self, code):
+    def __init__(self, code, filename: str, lineno: int):
         self.code = code
+        self.filename = filename
+        self.lineno = lineno
 
 
 def _with_edits(root, edits: tuple):
@@ -243,6 +246,6 @@ def _with_edits(root, edits: tuple):
     for source, filename, lineno, values, selves in edits:
         code = compile_body(source, filename, lineno)
         glb = {"__builtins__": builtins, "__name__": "__nnsight_remote__"}
-        recorded.append((_EditBody(code), dict(values), glb, tuple(selves)))
+        recorded.append((_EditBody(code, filename, lineno), dict(values), glb, tuple(selves)))
     edited.__dict__["_edits"] = tuple(recorded)
     return edited

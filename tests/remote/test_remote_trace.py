@@ -3,6 +3,8 @@ names come back. Ground truth: the same body run locally on the same weights."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -91,6 +93,20 @@ class TestSameResultsAsLocal:
         bias = model._module[2:](torch.zeros(3, 16))
         assert torch.allclose(out_edited, bias)
         assert torch.allclose(out_plain, model._module(x))
+
+    def test_edit_error_names_the_edit(self, backend, mlp_model):
+        """An edit's out-of-order read, met on the server, is named by the edit's with line."""
+        model, x = mlp_model, _x()
+        made_at = inspect.currentframe().f_lineno + 1
+        with model.edit() as edited:
+            b = edited[2].output
+            edited[1].output[:] = 0
+        with pytest.raises(OutOfOrderError) as info:
+            with edited.trace(x, remote=True):
+                out = edited.output.save()
+        assert str(info.value).startswith(
+            f"the model's persistent edit (made by `with model.edit(...)` at {__file__}:{made_at})"
+            " asked for model[1].output")
 
     def test_session_training_loop(self, backend, mlp_model):
         """A small adapter trained in a remote session ends where a local session ends; only

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 
-from nnsight_lite import Envoy, NNsight, NNsightError
+from nnsight_lite import Envoy, ModulePathError, NNsight, NNsightError
 
 
 class TestTree:
@@ -60,6 +62,46 @@ class TestTree:
         model = NNsight(seq)
         x = torch.randn(2, 6)
         torch.testing.assert_close(model[0](x), seq[0](x))
+
+
+class TestMisspelledNames:
+    """A name an Envoy does not have raises ModulePathError (an AttributeError) naming the
+    Envoy's path, the user's line, and close matches among the Envoy's own names (output,
+    inputs, source, ...), the module's children, its rename= aliases and its attributes."""
+
+    @pytest.mark.parametrize("typo, meant", [
+        ("ouput", "output"), ("inptus", "inputs"), ("sorce", "source"), ("nxt", "next"),
+    ])
+    def test_envoy_properties_are_suggested(self, net, typo, meant):
+        model = NNsight(net)
+        with pytest.raises(ModulePathError) as info:
+            getattr(model.layers[0], typo)
+        msg = str(info.value)
+        assert msg.startswith(f"model.layers[0] (Linear) has no submodule or attribute {typo!r} "
+                              f"(at {__file__}:")
+        assert f"Did you mean {meant!r}" in msg
+        assert isinstance(info.value, AttributeError)
+        assert not hasattr(model.layers[0], typo)
+
+    def test_children_aliases_and_attributes_are_suggested(self, net):
+        model = NNsight(net, rename={"layers": "blocks"})
+        with pytest.raises(ModulePathError, match=r"Did you mean 'layers'"):
+            model.layrs
+        with pytest.raises(ModulePathError, match=r"Did you mean 'blocks'"):
+            model.blcks
+        with pytest.raises(ModulePathError, match=r"Did you mean 'weight'"):
+            model.inp.wieght
+
+    def test_in_a_trace_body(self, net, x8):
+        """Inside a body the same error points at the body's line; the model is left clean."""
+        model = NNsight(net)
+        with pytest.raises(ModulePathError, match=r"'ouput'.*Did you mean 'output'") as info:
+            with model.trace(x8):
+                h = model.layers[0].ouput  # typo
+        assert any(f.line.endswith("# typo") for f in traceback.extract_tb(info.value.__traceback__))
+        with model.trace(x8):
+            out = model.output.save()
+        torch.testing.assert_close(out, net(x8))
 
 
 class TestSkip:

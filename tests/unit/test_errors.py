@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import traceback
 
 import pytest
@@ -79,6 +80,83 @@ class TestOrderErrors:
         with pytest.raises(OutsideTraceError, match="not part of the model being traced"):
             with b.trace(x8):
                 a[0].output
+
+
+def _edit_label(lineno: int) -> str:
+    return f"the model's persistent edit (made by `with model.edit(...)` at {__file__}:{lineno})"
+
+
+class TestEditErrors:
+    """A mistake in a persistent edit's body, met while a later trace runs it, is named by the
+    edit's ``with model.edit(...)`` line, not as one of the trace's invokes; the trace's own
+    invokes keep their numbers from 0; and the model is left clean and usable."""
+
+    def test_out_of_order_read_in_an_edit(self, seq):
+        """An edit that reads a module after a later one raises OutOfOrderError naming the
+        edit's with line and the offending line; after clear_edits the model traces as plain."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        made_at = inspect.currentframe().f_lineno + 1
+        with model.edit(inplace=True):
+            b = model[2].output
+            model[1].output[:] = 0  # edit reads too late
+        with pytest.raises(OutOfOrderError) as info:
+            with model.trace(x):
+                out = model.output.save()
+        msg = str(info.value)
+        assert msg.startswith(_edit_label(made_at) + " asked for model[1].output at ")
+        assert "invoke 0" not in msg
+        assert _this_file_line(info.value, "edit reads too late")
+        model.clear_edits()
+        with model.trace(x):
+            out = model.output.save()
+        torch.testing.assert_close(out, seq(x))
+
+    def test_edit_waiting_for_a_module_that_never_runs(self, net, x8):
+        """An edit reading an unused module raises MissedModuleError naming the edit."""
+        model = NNsight(net)
+        made_at = inspect.currentframe().f_lineno + 1
+        with model.edit() as edited:
+            u = edited.unused.output
+        with pytest.raises(MissedModuleError, match=r"model\.unused\.output .*never ran") as info:
+            with edited.trace(x8):
+                out = edited.output.save()
+        assert str(info.value).startswith(_edit_label(made_at) + " waited for")
+        with model.trace(x8):  # the unedited model is untouched
+            out = model.output.save()
+        torch.testing.assert_close(out, net(x8))
+
+    def test_users_exception_in_an_edit_gets_a_note(self, seq):
+        """The edit's own exception reaches the caller unchanged, with a note naming the edit
+        and how to remove it."""
+        model = NNsight(seq)
+        err = ValueError("edit broke")
+        made_at = inspect.currentframe().f_lineno + 1
+        with model.edit(inplace=True):
+            model[0].output[:] = 0
+            raise err
+        with pytest.raises(ValueError) as info:
+            with model.trace(torch.randn(2, 6)):
+                out = model.output.save()
+        assert info.value is err
+        notes = getattr(info.value, "__notes__", [])
+        assert notes == [f"nnsight_lite: raised in {_edit_label(made_at)}, which runs in every "
+                         "trace of this model before the trace's own bodies; "
+                         "model.clear_edits() removes it"]
+
+    def test_invokes_after_an_edit_count_from_zero(self, seq):
+        """With an edit, the trace's own invokes are still invoke 0, 1, ...: invoke 1's
+        out-of-order read says invoke 1."""
+        model = NNsight(seq)
+        with model.edit(inplace=True):
+            model[0].output[:] = 0
+        with pytest.raises(OutOfOrderError, match=r"^invoke 1 asked for model\[0\]\.output"):
+            with model.trace() as tracer:
+                with tracer.invoke(torch.randn(1, 6)):
+                    a = model[2].output
+                with tracer.invoke(torch.randn(1, 6)):
+                    b = model[3].output
+                    c = model[0].output
 
 
 class TestUserExceptions:

@@ -3,6 +3,7 @@ functions; no runtime frames and no internal exception as its context."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -122,6 +123,66 @@ class TestBodyErrors:
                     pass
         assert info.value.__context__ is None
         assert no_runtime_frames(info.value)
+
+
+def _notes(exc) -> list:
+    return list(getattr(exc, "__notes__", []))
+
+
+class TestWrongShapeReplacement:
+    """An error the model raises after a body replaced a value with one of another shape gets a
+    note per such replacement: which module's output/input, which invoke, the user's line, and
+    the shape set vs the shape the model had. The error itself is PyTorch's, unchanged."""
+
+    def test_output_of_another_shape(self):
+        """A trace's one invoke sets a (3,) output where the module made (2, 8): the error in
+        the next layer names model[0].output, invoke 0, this line and both shapes."""
+        net = _net()
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+        with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
+            with model.trace(x):
+                model[0].output = torch.zeros(3)  # the bad replacement
+        line = inspect.currentframe().f_lineno - 1
+        assert _notes(info.value) == [
+            "nnsight_lite: this may come from a replaced value: model[0].output was set by "
+            f"invoke 0 at {__file__}:{line} to a tensor of shape (3,) in place of a tensor of "
+            "shape (2, 8). Give it the shape the model produced there, or edit the value in "
+            "place (`model[0].output[:] = ...`)."]
+        with model.trace(x):  # nothing left behind: the next trace is the plain forward
+            out = model.output.save()
+        torch.testing.assert_close(out, net(x))
+
+    def test_second_invoke_and_an_input(self):
+        """In a batch of two invokes, invoke 1 replacing its rows' input with another shape:
+        the error (here from merging the rows back) names invoke 1 and ``.input``."""
+        model = NNsight(_net())
+        with pytest.raises(RuntimeError) as info:
+            with model.trace() as tracer:
+                with tracer.invoke(torch.randn(1, 4)):
+                    a = model[2].output
+                with tracer.invoke(torch.randn(1, 4)):
+                    model[2].input = torch.zeros(1, 5)
+        (note,) = _notes(info.value)
+        assert note.startswith("nnsight_lite: this may come from a replaced value: "
+                               "model[2].input was set by invoke 1 at ")
+        assert "a tensor of shape (1, 5) in place of a tensor of shape (1, 8)" in note
+
+    def test_no_note_for_same_shape_or_for_a_bodys_own_error(self):
+        """A same-shape replacement leaves no record; an error a body raises itself (after a
+        wrong-shape replacement) is the body's and gets no replacement note."""
+        net = _net()
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+        with model.trace(x):
+            model[0].output = torch.zeros(2, 8)
+            out = model.output.save()
+        torch.testing.assert_close(out, net[2](net[1](torch.zeros(2, 8))))
+        with pytest.raises(ValueError, match="mine") as info:
+            with model.trace(x):
+                model[0].output = torch.zeros(3)
+                raise ValueError("mine")
+        assert _notes(info.value) == []
 
 
 SCRIPT = textwrap.dedent("""
