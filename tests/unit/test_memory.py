@@ -182,3 +182,20 @@ def test_a_model_traced_by_new_workers_is_freed(invokes):
         assert [r() is None for r in refs] == [True] * len(refs)
     finally:
         idle.extend(pooled)
+
+
+def test_a_replaced_submodule_is_freed_by_the_next_trace(seq):
+    """A submodule replaced in a traced model is freed once the model is traced again (the
+    wrappers kept for reuse see the new tree and let the old module go)."""
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    for _ in range(2):
+        with model.trace(x):
+            model[1].output.save()
+    old = weakref.ref(seq[1])
+    seq[1] = torch.nn.Linear(6, 6)
+    with model.trace(x):
+        out = model[1].output.save()
+    gc.collect()
+    assert old() is None
+    torch.testing.assert_close(out, seq[1](seq[0](x)))
