@@ -1,7 +1,8 @@
 """Timing helpers shared by every benchmark process (stdlib only: the nnsight peer uses it too).
 
     Group                    cases measured together, interleaved, and the pairs checked equal
-    measure(cases, ...)      {case: {"median", "min", "max", "n"}} in µs, variants interleaved
+    measure(cases, ...)      {case: {"median", "min", "max", "n", "rounds"}} in µs, interleaved
+    over(s, base)            how much slower one measured case is than another, round by round
     same(a, b)               whether two results (tensors, lists, tuples, dicts) are equal
 """
 
@@ -52,13 +53,31 @@ def measure(cases: dict, rounds: int, inner: int, warmup: int = 20) -> dict:
                 t0 = clock()
                 fn()
                 out.append(clock() - t0)
-    return {name: stats(ns) for name, ns in samples.items()}
+    return {name: stats(ns, inner) for name, ns in samples.items()}
 
 
-def stats(ns: list) -> dict:
-    """``{"median", "min", "max", "n"}`` in µs of samples in ns."""
-    return {"median": statistics.median(ns) / 1000, "min": min(ns) / 1000,
-            "max": max(ns) / 1000, "n": len(ns)}
+def stats(ns: list, inner: int = 0) -> dict:
+    """``{"median", "min", "max", "n"}`` in µs of samples in ns; with ``inner`` (samples per
+    round), also ``"rounds"``: each round's median, for differences taken round by round."""
+    out = {"median": statistics.median(ns) / 1000, "min": min(ns) / 1000,
+           "max": max(ns) / 1000, "n": len(ns)}
+    if inner:
+        out["rounds"] = [statistics.median(ns[i:i + inner]) / 1000
+                         for i in range(0, len(ns), inner)]
+    return out
+
+
+def over(s: "dict | None", base: "dict | None") -> "float | None":
+    """How much slower ``s`` is than ``base`` (µs): the median over rounds of the difference
+    of their medians in that round, when both were timed in the same rounds. The machine's
+    speed drifts over seconds (other processes on its cores), and both cases of one round
+    see the same drift; the difference of the overall medians is the fallback."""
+    if s is None or base is None:
+        return None
+    a, b = s.get("rounds"), base.get("rounds")
+    if a and b and len(a) == len(b):
+        return statistics.median(x - y for x, y in zip(a, b))
+    return s["median"] - base["median"]
 
 
 def same(a, b) -> bool:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from _timing import over as _over
 from cases import GPT_LAYERS, INVOKES, N_LAYERS
 
 #: (issue row, group, label, hooks case, library case, base case). The "over" columns subtract
@@ -63,12 +64,6 @@ def _fmt(s, spread=True) -> str:
     if not spread:
         return f"{m:.{digits}f}"
     return f"{m:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
-
-def _over(s, base) -> float | None:
-    if s is None or base is None:
-        return None
-    return s["median"] - base["median"]
 
 
 def _ratio(a, b) -> str:
@@ -129,27 +124,29 @@ def targets(ours, peer) -> list[str]:
         s = g.get(group, {}).get(key)
         return None if s is None else s["median"]
 
+    def d(group, key, base):  # key over base, round by round (see _timing.over)
+        return _over(g.get(group, {}).get(key), g.get(group, {}).get(base))
+
     if "linear" in g:
-        fixed = m("linear", "lib.save_last") - m("linear", "plain")
-        fixed_h = m("linear", "hooks.save_last") - m("linear", "plain")
+        fixed = d("linear", "lib.save_last", "plain")
+        fixed_h = d("linear", "hooks.save_last", "plain")
         line("fixed cost of a trace (row 1, save the last output, over plain)",
              f"{fixed:.1f} µs = {fixed / fixed_h:.1f}x the bare hook's {fixed_h:.1f} µs",
              "<= 3x the hook's and < 15 µs", fixed <= 3 * fixed_h and fixed < 15)
         for what, key in (("read", "save_all"), ("edited in place", "edit_all"),
                           ("replaced", "replace_all")):
-            lite = (m("linear", f"lib.{key}") - m("linear", "lib.save_last")) / (N_LAYERS - 1)
-            hook = (m("linear", f"hooks.{key}") - m("linear", "hooks.save_last")) / (N_LAYERS - 1)
+            lite = d("linear", f"lib.{key}", "lib.save_last") / (N_LAYERS - 1)
+            hook = d("linear", f"hooks.{key}", "hooks.save_last") / (N_LAYERS - 1)
             line(f"each module {what}, row 1", f"{lite:.2f} µs vs the hook's {hook:.2f} µs = "
                  f"{lite / hook:.2f}x", "<= 1.1x", lite <= 1.1 * hook)
     if "gpt2" in g:
-        lite = (m("gpt2", "lib.save_all") - m("gpt2", "lib.save_one")) / (GPT_LAYERS - 1)
-        hook = (m("gpt2", "hooks.save_all") - m("gpt2", "hooks.save_one")) / (GPT_LAYERS - 1)
+        lite = d("gpt2", "lib.save_all", "lib.save_one") / (GPT_LAYERS - 1)
+        hook = d("gpt2", "hooks.save_all", "hooks.save_one") / (GPT_LAYERS - 1)
         line("each block read, row 2", f"{lite:.2f} µs vs the hook's {hook:.2f} µs = "
              f"{lite / hook:.2f}x", "<= 1.1x", lite <= 1.1 * hook)
 
         def slope(key):  # both against the same base: the N prompts batched, one hook
-            over = [m("gpt2", f"lib.{key}_{n}") - m("gpt2", f"hooks.invokes_{n}")
-                    for n in INVOKES]
+            over = [d("gpt2", f"lib.{key}_{n}", f"hooks.invokes_{n}") for n in INVOKES]
             return None if None in over else _fit(INVOKES, over)
 
         a, b = slope("invokes")
@@ -191,7 +188,7 @@ def targets(ours, peer) -> list[str]:
                  f"{mem['peak_trace_kb'] / 1024:.1f} vs {mem['peak_plain_kb'] / 1024:.1f} MB "
                  f"({d:+.0f} kB)", "no more than plain", d <= 256)
     if "cold" in g:
-        cold = m("cold", "lib.cold") - m("cold", "lib.warm")
+        cold = d("cold", "lib.cold", "lib.warm")
         line("first trace at a new call site, over a later one (row 7)", f"{cold / 1000:.2f} ms",
              "< 2 ms", cold < 2000)
     return out
@@ -200,7 +197,9 @@ def targets(ours, peer) -> list[str]:
 def render(header: str, ours, peer) -> str:
     lines = [f"Measured {header}.", "", *table(ours, peer), ""]
     lines.append("Cells: median (min-max) µs. 'over base' subtracts the base case measured in "
-                 "the same process (nnsight's in its own). Ratios compare those overheads.")
+                 "the same process (nnsight's in its own), round by round: the median over rounds "
+                 "of the difference of the two cases' medians in that round. Ratios compare "
+                 "those overheads.")
     if peer and peer.get("failed"):
         lines.append("")
         lines.append("nnsight cases that could not run or did not match: " + "; ".join(
