@@ -336,6 +336,10 @@ class CacheView(Mapping):
     # ---- navigation by attribute
 
     def __getattr__(self, name: str):
+        if name == "_cache":  # nnsight re-attaches a loaded view with `view._cache.model = model`
+            raise AttributeError(
+                "a CacheView has no `_cache`: re-attach the model to a loaded view with "
+                "`view._root = model`")
         if name.startswith("_"):
             raise AttributeError(name)
         return _Node(self, self._need_root(), None).__getattr__(name, from_root=True)
@@ -353,6 +357,13 @@ class CacheView(Mapping):
         for name, entry in self._records.items():
             if entry._module is module:
                 return entry
+        # a view loaded from a pickle knows its entries by path only
+        for name, mod in self._root._module.named_modules():
+            if mod is module:
+                entry = self._records.get(name)
+                if entry is not None and entry._module is None:
+                    return entry
+                break
         raise AttributeError(
             f"{envoy._path} is not in this cache: the run did not reach it, or it was not "
             "among the modules= asked for"

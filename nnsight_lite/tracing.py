@@ -89,6 +89,24 @@ class Tracer(BodyContext):
         """Loop over every call of the modules a body reads: ``for step in tracer.all():``."""
         return _iterate(slice(None))
 
+    def next(self, step: int = 1) -> "Tracer":
+        """Address the next call of every module this body reads from here on (generation
+        step 1, then 2, ...), as ``module.next()`` does for one module. Returns the tracer.
+
+        Example::
+
+            with model.generate("Hello", max_new_tokens=3) as tracer:
+                h0 = model.lm_head.output.save()        # step 0
+                tracer.next()
+                h1 = model.lm_head.output.save()        # step 1
+        """
+        med = current_mediator(None, "tracer.next()")
+        offsets = med.offsets
+        if not isinstance(offsets, _ShiftedOffsets):
+            offsets = med.offsets = _ShiftedOffsets(offsets)
+        offsets.shift(step)
+        return self
+
     def log(self, *values) -> None:
         """Older nnsight code's way to print from a body; bodies run eagerly here, so this is
         ``print(*values)``."""
@@ -448,6 +466,28 @@ class _Steps:
 
     def __exit__(self, *exc):  # pragma: no cover - __enter__ always raises
         return False
+
+
+class _ShiftedOffsets(dict):
+    """A mediator's ``offsets`` ({slot: calls skipped}) after ``tracer.next()``: every slot,
+    listed or not, is shifted by ``base``. Only a body that calls ``tracer.next()`` has one."""
+
+    __slots__ = ("base",)
+
+    def __init__(self, offsets):
+        super().__init__(offsets)
+        self.base = 0
+
+    def __bool__(self) -> bool:  # Envoy.next() replaces an empty (falsy) table
+        return True
+
+    def get(self, slot, default=0):
+        return dict.get(self, slot, self.base)
+
+    def shift(self, step: int) -> None:
+        self.base += step
+        for slot in self:
+            self[slot] += step
 
 
 def _iteration(med, steps):

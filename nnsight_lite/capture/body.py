@@ -12,7 +12,7 @@ from collections import OrderedDict
 from types import CodeType, FrameType
 
 from ..errors import BodySyntaxError
-from .rewrite import assigned_names, body_syntax_error, rewrite_body
+from .rewrite import INLINE_NAME, assigned_names, body_syntax_error, rewrite_body
 from .skip import Skipper, skip_line
 from .source import find_with, remember_source
 
@@ -65,7 +65,14 @@ def _compile_body(frame: FrameType, what: str) -> Body:
     filename = frame.f_code.co_filename
     lineno = frame.f_lineno
     node, lines = find_with(frame, what)
-    if node.body[0].lineno == node.lineno:
+    trivial = all(
+        isinstance(st, ast.Pass) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))
+        for st in node.body
+    )
+    # A body on the `with` line gives the line tracer no line to stop on; a trivial one runs
+    # inline harmlessly, and a with-block inside a compiled body is skipped by a flag instead.
+    if (node.body[0].lineno == node.lineno and not trivial
+            and INLINE_NAME not in frame.f_code.co_names):
         raise BodySyntaxError(
             f"the body of the `with ...{what}(...)` block at {filename}:{lineno} starts on the "
             "`with` line itself; put it on its own indented lines",
@@ -86,10 +93,6 @@ def _compile_body(frame: FrameType, what: str) -> Body:
         names["co_qualname"] = outer.co_qualname
     code = code.replace(**names)
     remember_source(code, lines)
-    trivial = all(
-        isinstance(st, ast.Pass) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))
-        for st in node.body
-    )
     line, skip_error = skip_line(node, what, filename)
     body = Body(code, filename, node.lineno, node.end_lineno or node.lineno, trivial, line)
     body.skip_error = skip_error

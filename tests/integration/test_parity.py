@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import pickle
 import warnings
 import weakref
 
@@ -13,7 +14,7 @@ import transformers
 from tests.integration.conftest import layers
 
 from nnsight_lite import LanguageModel
-from nnsight_lite.errors import NNsightError
+from nnsight_lite.errors import BodySyntaxError, NNsightError
 
 PROMPT = "the eiffel tower is in the city of"
 
@@ -124,3 +125,73 @@ def test_generate_called_without_with_returns_the_ids(lm, hf):
     plain = hf.generate(**enc, max_new_tokens=3, do_sample=False,
                         pad_token_id=lm.tokenizer.pad_token_id)
     assert torch.equal(ids, plain)
+
+
+class TestDocExamples:
+    """Examples from nnsight's usage pages, with only the import, the model and its module paths
+    changed (docs/usage/cache.md, all-and-next.md)."""
+
+    def test_one_line_invoke_bodies(self, lm, hf, arch):
+        """`with tracer.invoke("the cat"): pass` (cache.md): an invoke inside a trace body may
+        keep its body on the `with` line, trivial or not; the batch is what plain HF computes
+        on the same left-padded batch."""
+        short, long = "the cat", "the eiffel tower is in the city of paris"
+        with lm.trace() as tracer:
+            with tracer.invoke(short): pass  # noqa: E701
+            with tracer.invoke(long): last = layers(lm, arch)[0].output[:, -1].save()  # noqa: E701
+            with tracer.invoke():
+                batch = tracer.cache(modules=[layers(lm, arch)[0]])
+        with pytest.raises(BodySyntaxError, match="on its own indented lines"):
+            with lm.trace(short): h = layers(lm, arch)[0].output.save()  # noqa: E701,F841
+        with lm.trace(short): pass  # noqa: E701  (trivial: runs inline, harmless)
+        enc = lm.tokenizer([short, long], return_tensors="pt", padding=True, padding_side="left")
+        seen = {}
+        handle = layers(hf, arch)[0].register_forward_hook(lambda m, i, o: seen.setdefault("h", o))
+        try:
+            position_ids = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+            hf(**enc, position_ids=position_ids)
+        finally:
+            handle.remove()
+        key = "model.transformer.h.0" if arch == "gpt2" else "model.model.layers.0"
+        got = batch[key].output
+        mask = enc["attention_mask"].bool()
+        assert got.shape == seen["h"].shape
+        assert torch.allclose(got[mask], seen["h"][mask], atol=1e-5)
+        assert torch.allclose(last, seen["h"][1:, -1], atol=1e-5)
+
+    def test_tracer_next_addresses_the_next_step_of_every_module(self, lm, hf):
+        """`tracer.next()` (all-and-next.md) moves every later read to the next generation step,
+        as `module.next()` does for one module; the logits equal plain HF generate's per step."""
+        steps = []
+        handle = hf.lm_head.register_forward_hook(lambda m, i, o: steps.append(o[:, -1].clone()))
+        try:
+            enc = lm.tokenizer(PROMPT, return_tensors="pt")
+            hf.generate(**enc, max_new_tokens=3, do_sample=False,
+                        pad_token_id=lm.tokenizer.pad_token_id)
+        finally:
+            handle.remove()
+        with lm.generate(PROMPT, max_new_tokens=3, do_sample=False) as tracer:
+            s0 = lm.lm_head.output[:, -1].save()
+            tracer.next()
+            s1 = lm.lm_head.output[:, -1].save()
+            lm.lm_head.next()                    # module.next() on top of tracer.next()
+            s2 = lm.lm_head.output[:, -1].save()
+        with lm.generate(PROMPT, max_new_tokens=3, do_sample=False) as tracer:
+            tracer.next(2)
+            t2 = lm.lm_head.output[:, -1].save()
+        for got, want in zip((s0, s1, s2, t2), steps[:3] + steps[2:3]):
+            assert torch.allclose(got, want, atol=1e-5)
+        assert not torch.allclose(s0, s1)
+
+    def test_a_loaded_cache_navigates_once_its_model_is_back(self, lm, arch):
+        """cache.md: a pickled view answers by path; with its model re-attached
+        (`view._root = model`; nnsight's `view._cache.model = model` says so) it navigates."""
+        with lm.trace(PROMPT) as tracer:
+            cache = tracer.cache(modules=[layers(lm, arch)[1]])
+        back = pickle.loads(pickle.dumps(cache))
+        with pytest.raises(AttributeError, match=r"view._root = model"):
+            back._cache.model = lm
+        back._root = lm
+        want = cache["model.transformer.h.1" if arch == "gpt2" else "model.model.layers.1"].output
+        assert torch.equal(layers(back, arch)[1].output, want)
+        assert torch.equal(back[next(iter(back.keys()))].output, want)
