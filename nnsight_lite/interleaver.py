@@ -34,7 +34,16 @@ import torch
 from . import batching
 from .capture import IterationEnd
 from .errors import NNsightError, OutsideTraceError
-from .mediator import _DONE, _MISSING, INPUT, OUTPUT, Mediator, NameWait, StopTrace
+from .mediator import (
+    _DONE,
+    _MISSING,
+    INPUT,
+    OUTPUT,
+    BarrierWait,
+    Mediator,
+    NameWait,
+    StopTrace,
+)
 from .tracebacks import note_reshaped
 from .workers import (
     _getcurrent,
@@ -241,7 +250,7 @@ class Interleaver:
             med.pending = None
             return
         med.pending = req
-        if req.__class__ is NameWait:
+        if req.__class__ is NameWait or req.__class__ is BarrierWait:
             self.name_waiters.append(med)
             return
         slot, kind, call = req
@@ -264,8 +273,16 @@ class Interleaver:
         """Resume bodies waiting for a name that is now bound (or that can no longer be)."""
         while self.name_waiters:
             for med in self.name_waiters:
-                name = med.pending.name
-                if med.scope.knows(name):
+                req = med.pending
+                if req.__class__ is BarrierWait:  # (tracer.barrier: its round is full, or
+                    if req.barrier.round > req.round:  # can no longer be)
+                        exc = None
+                        break
+                    if not req.barrier.fillable(self):
+                        exc = med.missed_error()
+                        break
+                    continue
+                if med.scope.knows(req.name):
                     exc = None
                     break
                 if not self.earlier_alive(med):

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING
 from . import batching
 from .errors import (
     InferenceModeSwitchError,
+    InputError,
     MissedModuleError,
+    NNsightError,
     OutOfOrderError,
     OutsideTraceError,
 )
@@ -62,6 +64,73 @@ class NameWait:
 
     def __init__(self, name: str):
         self.name = name
+
+
+class BarrierWait(NameWait):
+    """A body's wait at a ``tracer.barrier(n)`` until ``n`` bodies have called it this round."""
+
+    __slots__ = ("barrier", "round", "where")
+
+    def __init__(self, barrier: "Barrier", where: str):
+        self.name = None
+        self.barrier = barrier
+        self.round = barrier.round
+        self.where = where
+
+
+class Barrier:
+    """What ``tracer.barrier(n)`` returns: each call from an invoke body waits until ``n``
+    bodies have called it, then all of them go on (and the next call starts a new round).
+
+    Invokes run in order at every module, so an earlier invoke's value reaches a later one by
+    name without it; a barrier matters when a name is rebound round by round::
+
+        b = tracer.barrier(2)
+        with tracer.invoke(clean):
+            for layer in model.model.layers:
+                h = layer.output
+                b()                           # round i: h is layer i's output ...
+        with tracer.invoke(corrupt):
+            for layer in model.model.layers:
+                b()                           # ... here, in the same round
+                layer.output[:] = h
+    """
+
+    def __init__(self, n: int):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InputError(f"tracer.barrier(n) takes the number of invokes that call it, a "
+                             f"positive int; got {n!r}")
+        self.n = n
+        self.round = 0
+        self.arrived: list = []  # the mediators waiting in this round
+
+    def __call__(self) -> None:
+        med = getattr(_getcurrent(), "mediator", None)
+        if med is None:
+            raise OutsideTraceError(
+                f"a tracer.barrier() was called outside an invoke body (at {user_location()}); "
+                "call it inside the `with tracer.invoke(...):` blocks it synchronises")
+        self.arrived.append(med)
+        if len(self.arrived) >= self.n:  # the last to arrive: everyone goes on
+            self.round += 1
+            self.arrived = []
+            return
+        med.parent.switch(BarrierWait(self, user_location()))
+
+    def fillable(self, inter) -> bool:
+        """Whether bodies enough to fill this round may still arrive."""
+        if inter.finished:
+            return False
+        waiting = self.arrived
+        others = sum(1 for m in inter.mediators if not m.done and m not in waiting)
+        return len(waiting) + others >= self.n
+
+    def short_error(self, med: "Mediator", wait: BarrierWait) -> NNsightError:
+        return MissedModuleError(
+            f"{med.label()} waited at tracer.barrier({self.n}) at {wait.where}, but only "
+            f"{len(self.arrived)} invoke body(ies) reached it in this round and no other can any "
+            "more (the rest have ended, or the forward is over). Pass tracer.barrier(n) the "
+            "number of invokes that call it, and call it the same number of times in each.")
 
 
 def wait_for_name(scope, name: str):
@@ -296,6 +365,8 @@ class Mediator:
         )
 
     def missed_error(self):
+        if isinstance(self.pending, BarrierWait):
+            return self.pending.barrier.short_error(self, self.pending)
         if isinstance(self.pending, NameWait):
             return NameError(f"name {self.pending.name!r} is not defined")
         slot, kind, call = self.pending

@@ -21,7 +21,14 @@ from .capture import Scope
 from .context import RUNTIME, BodyContext, body_job
 from .errors import InputError, NNsightError
 from .interleaver import Interleaver
-from .mediator import _MISSING, StopTrace, _collecting, current_mediator, wait_for_name
+from .mediator import (
+    _MISSING,
+    Barrier,
+    StopTrace,
+    _collecting,
+    current_mediator,
+    wait_for_name,
+)
 from .remote.hook import take_backend
 from .workers import _getcurrent, _take_worker, switch_job, user_location
 
@@ -79,11 +86,12 @@ class Tracer(BodyContext):
             "so write a plain `if model.layer.output.sum() > 0:` instead"
         )
 
-    def barrier(self, n: int):
-        """nnsight's cross-invoke barrier, for compatibility: ``b = tracer.barrier(2)`` then
-        ``b()`` in each invoke. Not needed here (an invoke reading a name another invoke binds
-        at the same module waits for it by itself), so calling it does nothing."""
-        return _no_barrier
+    def barrier(self, n: int) -> Barrier:
+        """nnsight's cross-invoke barrier: ``b = tracer.barrier(2)``, then each call ``b()`` in
+        an invoke body waits until ``n`` bodies have called it (see mediator.Barrier). An
+        invoke reading a name an earlier one has not bound yet waits by itself; the barrier
+        is for names rebound round by round (one per layer in a loop)."""
+        return Barrier(n)
 
     def all(self):
         """Loop over every call of the modules a body reads: ``for step in tracer.all():``."""
@@ -266,10 +274,6 @@ class Tracer(BodyContext):
         """What runs under the interleaver: the model's forward (``model.generate`` runs HF
         generate instead; see language.py)."""
         return self.model._run_forward(args, kwargs)
-
-
-def _no_barrier() -> None:
-    return None
 
 
 def _add_edits(inter: Interleaver, model) -> list:

@@ -7,6 +7,8 @@ import torch
 
 import nnsight_lite
 from nnsight_lite import BatchingError, NNsight, OutOfOrderError
+from nnsight_lite.errors import InputError, MissedModuleError, OutsideTraceError
+from tests.helpers import record
 
 
 class Masked(torch.nn.Module):
@@ -202,7 +204,7 @@ class TestBatching:
 
 
 def test_nnsight_barrier_idiom_still_works(seq):
-    """Code written for nnsight's barrier runs unchanged (the barrier is not needed here)."""
+    """nnsight's barrier example runs unchanged: invoke 1 patches in invoke 0's value."""
     model = NNsight(seq)
     clean, corrupt = torch.randn(1, 6), torch.randn(1, 6)
     with model.trace() as tracer:
@@ -215,6 +217,78 @@ def test_nnsight_barrier_idiom_still_works(seq):
             model[0].output[:] = emb
             patched = model.output.save()
     torch.testing.assert_close(patched, seq(clean))
+
+
+def test_a_barrier_hands_over_a_name_rebound_round_by_round(seq):
+    """A name the earlier invoke rebinds at every layer (``h = layer.output; b()``) reaches the
+    later invoke at the same round of the barrier: round i gives layer i's output of the clean
+    input (plain hooks are the ground truth), and patching it in at every layer gives the
+    clean output."""
+    model = NNsight(seq)
+    clean, corrupt = torch.randn(1, 6), torch.randn(1, 6)
+    with model.trace() as tracer:
+        b = tracer.barrier(2)
+        with tracer.invoke(clean):
+            for i in range(3):
+                h = model[i].output
+                b()
+        with tracer.invoke(corrupt):
+            got = []
+            for i in range(3):
+                b()
+                got.append(h.clone())
+                model[i].output[:] = h
+            got = nnsight_lite.save(got)
+            patched = model.output.save()
+    seen, _ = record(seq, ["0", "1", "2"], clean)
+    for i in range(3):
+        torch.testing.assert_close(got[i], seen[(str(i), 0)])
+    torch.testing.assert_close(patched, seq(clean))
+
+
+def test_a_barrier_waits_at_each_call(seq):
+    """Each call of one barrier is a round of its own: the later invoke reads each value the
+    earlier one bound before its matching call (nnsight's reusable-barrier example)."""
+    model = NNsight(seq)
+    x, y = torch.randn(1, 6), torch.randn(1, 6)
+    with model.trace() as tracer:
+        barrier = tracer.barrier(2)
+        with tracer.invoke(x):
+            a1 = model[1].output
+            barrier()
+            a3 = model[3].output
+            barrier()
+        with tracer.invoke(y):
+            barrier()
+            first = a1.save()
+            barrier()
+            second = a3.save()
+    seen, _ = record(seq, ["1", "3"], x)
+    torch.testing.assert_close(first, seen[("1", 0)])
+    torch.testing.assert_close(second, seen[("3", 0)])
+
+
+def test_a_barrier_nobody_else_can_reach_says_so(seq):
+    """``tracer.barrier(3)`` called by two invokes cannot fill: the waiting body gets an error
+    naming the barrier, its n and the line, instead of hanging; nothing is left behind. Called
+    outside an invoke body, or with a bad n, it says what to do."""
+    model = NNsight(seq)
+    x = torch.randn(1, 6)
+    with pytest.raises(MissedModuleError, match=r"tracer\.barrier\(3\) at .*test_invokes"):
+        with model.trace() as tracer:
+            b = tracer.barrier(3)
+            with tracer.invoke(x):
+                model[0].output
+                b()
+            with tracer.invoke(x):
+                b()
+    with pytest.raises(OutsideTraceError, match="outside an invoke body"):
+        with model.trace() as tracer:
+            b = tracer.barrier(1)
+            b()
+    with pytest.raises(InputError, match="positive int"):
+        with model.trace() as tracer:
+            tracer.barrier(0)
 
 
 def test_values_collected_per_layer_patch_a_later_invoke_layer_by_layer(seq):
@@ -242,3 +316,4 @@ def test_values_collected_per_layer_patch_a_later_invoke_layer_by_layer(seq):
             with tracer.invoke(corrupt):
                 model[0].output[:] = every[0]
     torch.testing.assert_close(model(corrupt), seq(corrupt))
+
