@@ -120,6 +120,10 @@ def _take_worker() -> BodyGreenlet:
         w = idle.pop()
         w.parent = _getcurrent()
         return w
+    return _new_worker()
+
+
+def _new_worker() -> BodyGreenlet:
     w = BodyGreenlet(padded(_worker_main), _getcurrent())
     # A greenlet holds the arguments of its first switch for as long as its first function
     # runs, which for a pooled worker is for good: started here with none, it waits for its
@@ -127,6 +131,21 @@ def _take_worker() -> BodyGreenlet:
     w.switch()
     _workers.add(w)
     return w
+
+
+def reserve(n: int) -> None:
+    """Have ``n`` workers idle in this thread's pool, starting the missing ones here.
+
+    A greenlet starts at the depth of the code that first switches into it, native stack and
+    Python recursion count both, and keeps it for good. A trace reserves its workers before
+    its forward (which runs on a worker): a worker started inside that one would start deeper,
+    and one started inside it deeper again, a little more each generation, until a
+    RecursionError or a native stack overflow."""
+    idle = getattr(_pool, "idle", None)
+    if idle is None:
+        idle = _pool.idle = []
+    while len(idle) < n:
+        idle.append(_new_worker())
 
 
 def _release_worker(w: BodyGreenlet) -> None:

@@ -317,3 +317,36 @@ def test_values_collected_per_layer_patch_a_later_invoke_layer_by_layer(seq):
                 model[0].output[:] = every[0]
     torch.testing.assert_close(model(corrupt), seq(corrupt))
 
+
+def test_traces_with_more_invokes_than_the_pool_holds_keep_their_depth(seq):
+    """A trace with more invokes than the worker pool keeps makes new workers every time; they
+    start where the trace starts, not inside the worker running the forward, so repeating
+    such a trace does not eat into the recursion limit (nor the native stack) trace by trace."""
+    from nnsight_lite import workers
+
+    def room():  # how many more nested Python calls fit here
+        n = 0
+
+        def f():
+            nonlocal n
+            n += 1
+            f()
+
+        try:
+            f()
+        except RecursionError:
+            pass
+        return n
+
+    model = NNsight(seq)
+    x = torch.randn(1, 6)
+    rooms = []
+    for _ in range(4):
+        with model.trace() as tracer:
+            for i in range(workers._POOL_MAX + 6):
+                with tracer.invoke(x):
+                    model[0].output
+                    if i == workers._POOL_MAX + 5:
+                        r = nnsight_lite.save(room())
+        rooms.append(r)
+    assert rooms == [rooms[0]] * 4
