@@ -124,30 +124,30 @@ def targets(ours, peer) -> list[str]:
         s = g.get(group, {}).get(key)
         return None if s is None else s["median"]
 
-    def d(group, key, base):  # key over base, round by round (see _timing.over)
+    def over(group, key, base):  # key over base, round by round (see _timing.over)
         return _over(g.get(group, {}).get(key), g.get(group, {}).get(base))
 
     if "linear" in g:
-        fixed = d("linear", "lib.save_last", "plain")
-        fixed_h = d("linear", "hooks.save_last", "plain")
+        fixed = over("linear", "lib.save_last", "plain")
+        fixed_h = over("linear", "hooks.save_last", "plain")
         line("fixed cost of a trace (row 1, save the last output, over plain)",
              f"{fixed:.1f} µs = {fixed / fixed_h:.1f}x the bare hook's {fixed_h:.1f} µs",
              "<= 3x the hook's and < 15 µs", fixed <= 3 * fixed_h and fixed < 15)
         for what, key in (("read", "save_all"), ("edited in place", "edit_all"),
                           ("replaced", "replace_all")):
-            lite = d("linear", f"lib.{key}", "lib.save_last") / (N_LAYERS - 1)
-            hook = d("linear", f"hooks.{key}", "hooks.save_last") / (N_LAYERS - 1)
+            lite = over("linear", f"lib.{key}", "lib.save_last") / (N_LAYERS - 1)
+            hook = over("linear", f"hooks.{key}", "hooks.save_last") / (N_LAYERS - 1)
             line(f"each module {what}, row 1", f"{lite:.2f} µs vs the hook's {hook:.2f} µs = "
                  f"{lite / hook:.2f}x", "<= 1.1x", lite <= 1.1 * hook)
     if "gpt2" in g:
-        lite = d("gpt2", "lib.save_all", "lib.save_one") / (GPT_LAYERS - 1)
-        hook = d("gpt2", "hooks.save_all", "hooks.save_one") / (GPT_LAYERS - 1)
+        lite = over("gpt2", "lib.save_all", "lib.save_one") / (GPT_LAYERS - 1)
+        hook = over("gpt2", "hooks.save_all", "hooks.save_one") / (GPT_LAYERS - 1)
         line("each block read, row 2", f"{lite:.2f} µs vs the hook's {hook:.2f} µs = "
              f"{lite / hook:.2f}x", "<= 1.1x", lite <= 1.1 * hook)
 
         def slope(key):  # both against the same base: the N prompts batched, one hook
-            over = [d("gpt2", f"lib.{key}_{n}", f"hooks.invokes_{n}") for n in INVOKES]
-            return None if None in over else _fit(INVOKES, over)
+            diffs = [over("gpt2", f"lib.{key}_{n}", f"hooks.invokes_{n}") for n in INVOKES]
+            return None if None in diffs else _fit(INVOKES, diffs)
 
         a, b = slope("invokes")
         bare = slope("nn_invokes")
@@ -188,7 +188,7 @@ def targets(ours, peer) -> list[str]:
                  f"{mem['peak_trace_kb'] / 1024:.1f} vs {mem['peak_plain_kb'] / 1024:.1f} MB "
                  f"({d:+.0f} kB)", "no more than plain", d <= 256)
     if "cold" in g:
-        cold = d("cold", "lib.cold", "lib.warm")
+        cold = over("cold", "lib.cold", "lib.warm")
         line("first trace at a new call site, over a later one (row 7)", f"{cold / 1000:.2f} ms",
              "< 2 ms", cold < 2000)
     return out
