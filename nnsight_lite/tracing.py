@@ -30,7 +30,7 @@ from .mediator import (
     wait_for_name,
 )
 from .remote.hook import take_backend
-from .workers import _getcurrent, _take_worker, reserve, switch_job, user_location
+from .workers import _getcurrent, _take_worker, switch_job, user_location
 
 _CPU = torch.device("cpu")
 
@@ -266,7 +266,6 @@ class Tracer(BodyContext):
         with-statement's exit is handling the skipped body's ``SkipBody``, and Python would
         chain to it every error the model's code raises and catches (HF raises hundreds of
         AttributeErrors a generate step); in the worker no exception is being handled."""
-        reserve(len(inter.mediators) + 1)  # (the bodies' workers start at this depth too)
         worker = _take_worker()
         worker.gr_context = contextvars.copy_context()
         switch_job(worker, lambda: inter.run(forward))

@@ -124,28 +124,38 @@ def _take_worker() -> BodyGreenlet:
 
 
 def _new_worker() -> BodyGreenlet:
-    w = BodyGreenlet(padded(_worker_main), _getcurrent())
-    # A greenlet holds the arguments of its first switch for as long as its first function
-    # runs, which for a pooled worker is for good: started here with none, it waits for its
-    # jobs like any pooled worker, and holds none of them (nor their traces and models) after.
-    w.switch()
-    _workers.add(w)
+    """A new worker, started by this thread's nursery (see _nursery_main)."""
+    nursery = getattr(_pool, "nursery", None)
+    if nursery is None or nursery.dead:
+        nursery = _pool.nursery = greenlet.greenlet(_nursery_main)
+    here = _getcurrent()
+    nursery.parent = here  # (where the nursery hands the worker back)
+    w = nursery.switch()
+    w.parent = here
     return w
 
 
-def reserve(n: int) -> None:
-    """Have ``n`` workers idle in this thread's pool, starting the missing ones here.
+def _nursery_main() -> None:
+    """A greenlet that starts workers, one per switch into it, and hands each back.
 
     A greenlet starts at the depth of the code that first switches into it, native stack and
-    Python recursion count both, and keeps it for good. A trace reserves its workers before
-    its forward (which runs on a worker): a worker started inside that one would start deeper,
-    and one started inside it deeper again, a little more each generation, until a
-    RecursionError or a native stack overflow."""
-    idle = getattr(_pool, "idle", None)
-    if idle is None:
-        idle = _pool.idle = []
-    while len(idle) < n:
-        idle.append(_new_worker())
+    Python recursion count both, and keeps it for good. Workers are asked for deep down: inside
+    the worker running a forward, inside a body running a nested trace or a backward. Started
+    there, a pooled worker that later runs a forward would make its own new workers deeper
+    still, a little more each generation, until a RecursionError or a native stack overflow.
+    Started here, every worker starts at this greenlet's depth, fixed when the thread first
+    needed one.
+
+    A greenlet also holds the arguments of its first switch for as long as its first function
+    runs, which for a pooled worker is for good: so a worker is started with none, and waits
+    for its jobs like any pooled worker (_worker_main)."""
+    me = _getcurrent()
+    while True:
+        w = BodyGreenlet(padded(_worker_main), me)
+        w.switch()
+        _workers.add(w)
+        me.parent.switch(w)
+        w = None
 
 
 def _release_worker(w: BodyGreenlet) -> None:

@@ -318,26 +318,29 @@ def test_values_collected_per_layer_patch_a_later_invoke_layer_by_layer(seq):
     torch.testing.assert_close(model(corrupt), seq(corrupt))
 
 
+def _room():
+    """How many more nested Python calls fit here."""
+    n = 0
+
+    def f():
+        nonlocal n
+        n += 1
+        f()
+
+    try:
+        f()
+    except RecursionError:
+        pass
+    return n
+
+
 def test_traces_with_more_invokes_than_the_pool_holds_keep_their_depth(seq):
     """A trace with more invokes than the worker pool keeps makes new workers every time; they
-    start where the trace starts, not inside the worker running the forward, so repeating
-    such a trace does not eat into the recursion limit (nor the native stack) trace by trace."""
+    start in the thread's nursery greenlet, not inside the worker running the forward, so
+    repeating such a trace does not eat into the recursion limit (nor the native stack)."""
     from nnsight_lite import workers
 
-    def room():  # how many more nested Python calls fit here
-        n = 0
-
-        def f():
-            nonlocal n
-            n += 1
-            f()
-
-        try:
-            f()
-        except RecursionError:
-            pass
-        return n
-
+    room = _room
     model = NNsight(seq)
     x = torch.randn(1, 6)
     rooms = []
@@ -348,5 +351,28 @@ def test_traces_with_more_invokes_than_the_pool_holds_keep_their_depth(seq):
                     model[0].output
                     if i == workers._POOL_MAX + 5:
                         r = nnsight_lite.save(room())
+        rooms.append(r)
+    assert rooms == [rooms[0]] * 4
+
+
+def test_nested_traces_that_make_workers_keep_their_depth(seq):
+    """The same for workers first needed deep down: a trace nested in a body, with more invokes
+    than the pool keeps, run again and again."""
+    from nnsight_lite import workers
+
+    model = NNsight(seq)
+    x = torch.randn(1, 6)
+    n = workers._POOL_MAX + 6
+    rooms = []
+    for _ in range(4):
+        with model.trace(x):
+            model[0].output
+            with model.trace() as inner:
+                for i in range(n):
+                    with inner.invoke(x):
+                        model[0].output
+                        if i == n - 1:
+                            r = nnsight_lite.save(_room())
+            r = nnsight_lite.save(r)
         rooms.append(r)
     assert rooms == [rooms[0]] * 4
