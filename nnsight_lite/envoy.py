@@ -17,7 +17,7 @@ import threading
 import torch
 
 from .aliases import Tree, tree_repr
-from .errors import ModulePathError
+from .errors import ModulePathError, NotAContainerError
 from .mediator import INPUT, OUTPUT, current_mediator
 from .workers import user_location
 
@@ -334,10 +334,18 @@ class Envoy:
         module = self._module
         if isinstance(module, torch.nn.ModuleDict):
             return iter(module.keys())
-        return (self[i] for i in range(len(module)))
+        return (self[i] for i in range(len(self)))
 
     def __len__(self) -> int:
-        return len(self._module)
+        try:
+            return len(self._module)
+        except TypeError:
+            pass
+        raise NotAContainerError(
+            f"{self._path} ({type(self._module).__name__}) is not a container of modules: "
+            "len(), loops and unpacking work on the Envoys of ModuleList, Sequential and "
+            "ModuleDict. (`with model.edit() as (tracer, edited):` is newer nnsight's form; "
+            "here, as in nnsight 0.5-0.8, write `with model.edit() as edited:`.)")
 
     def __call__(self, *args, hook: bool = False, **kwargs):
         """Call the module (``hook=`` is accepted for nnsight code and ignored: a call made

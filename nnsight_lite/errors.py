@@ -76,6 +76,10 @@ class InputError(NNsightError, TypeError, ValueError):
     ids outside the vocabulary, a missing required option (``max_new_tokens``)."""
 
 
+class NotAContainerError(NNsightError, TypeError):
+    """``len()``, iteration or unpacking of an Envoy whose module holds no list of modules."""
+
+
 class InferenceModeSwitchError(NNsightError, RuntimeError):
     """A body waited for a module value while inside its own ``torch.inference_mode()`` block."""
 

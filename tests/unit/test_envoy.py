@@ -149,3 +149,20 @@ class TestOldIdioms:
             with model.trace(torch.randn(1, 6)) as tracer:
                 with tracer.cond(model[0].output.sum() > 0):
                     pass
+
+
+def test_unpacking_a_model_that_is_no_container_says_what_to_write(seq, net):
+    """``len()``/loops/unpacking work on container Envoys as on their modules (ground truth:
+    the modules themselves); on another module they raise NotAContainerError (a TypeError)
+    saying so, with the nnsight 0.5-0.8 form of newer nnsight's ``model.edit()`` unpacking."""
+    from nnsight_lite.errors import NotAContainerError
+
+    model = NNsight(seq)
+    assert len(model) == len(seq)
+    assert [e._module for e in model] == list(seq)
+    other = NNsight(net)
+    with pytest.raises(NotAContainerError, match=r"model\.edit\(\) as edited") as info:
+        with other.edit() as (tracer, edited):
+            pass
+    assert isinstance(info.value, TypeError)
+    assert not other._edits  # nothing half-made was kept
