@@ -250,7 +250,7 @@ class Interleaver:
             med.pending = None
             return
         med.pending = req
-        if req.__class__ is NameWait or req.__class__ is BarrierWait:
+        if req.__class__ is not tuple:  # a NameWait or BarrierWait (a module value is a key)
             self.name_waiters.append(med)
             return
         slot, kind, call = req

@@ -74,8 +74,8 @@ def padded(fn):
     into or out of the greenlet copies its stack, padding included (Python-level recursion
     through ``next(map(...))`` took 8 KiB for as many frames)."""
 
-    def entry(*args):
-        it = starmap(_guarded, ((fn, args),))
+    def entry():  # (started with no arguments: a greenlet holds those while it runs)
+        it = starmap(_guarded, ((fn,),))
         for _ in range(_PADDING):
             it = chain(it)
         value, stop = next(it)
@@ -89,22 +89,18 @@ def padded(fn):
     return entry
 
 
-def _guarded(fn, args):
-    """``(fn(*args), None)``, or ``(None, exc)`` for a StopIteration it raised, which the
-    chain in ``padded`` would take for its own end and drop."""
+def _guarded(fn):
+    """``(fn(), None)``, or ``(None, exc)`` for a StopIteration it raised, which the chain in
+    ``padded`` would take for its own end and drop."""
     try:
-        if not args:  # (a worker's)
-            return fn(), None
-        if len(args) == 1:  # (a plain call: ``fn(*args)`` adds a native frame of ~370 bytes)
-            return fn(args[0]), None
-        return fn(*args), None
+        return fn(), None
     except StopIteration as exc:
         return None, exc
 
 
 def _worker_main():
     me = _getcurrent()
-    job = me.parent.switch()  # (started empty by _take_worker: every job comes by a switch)
+    job = me.parent.switch()  # (started empty by the nursery: every job comes by a switch)
     while True:
         try:
             job()
