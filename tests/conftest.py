@@ -29,9 +29,10 @@ def _leftovers():
     for root in list(_traced):
         for m in root.modules():
             d = m.__dict__
-            fwd = d.get("forward")
-            if fwd is not None and hasattr(fwd, "__wrapped__"):
-                bad.append(f"traced forward left on {type(m).__name__}")
+            for key in ("forward", "_compiled_call_impl"):
+                fn = d.get(key)
+                if fn is not None and hasattr(fn, "__wrapped__"):
+                    bad.append(f"traced {key} left on {type(m).__name__}")
             if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks"):
                 bad.append(f"hook left on {type(m).__name__}")
     bad.extend(suspended_bodies())

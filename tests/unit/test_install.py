@@ -180,3 +180,94 @@ class TestCountsPerTrace:
         with pytest.raises(MissedModuleError, match="ran only 1 time"):
             with model.trace(x):
                 model.inner.next().output.save()
+
+
+class _Direct(torch.nn.Module):
+    """Calls its child through ``child.forward(x)`` (no ``__call__``), then as usual."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.child(self.child.forward(x))
+
+
+class TestCallPaths:
+    """A module call is counted once whichever way it is made: through ``module(...)`` (the
+    call entry), ``module.forward(...)``, torch hooks, or a compiled call of the module's own."""
+
+    def test_a_forward_called_directly_is_counted_with_the_others(self):
+        """``child.forward(x)`` is call 0 and ``child(h)`` call 1: each serves its own value."""
+        torch.manual_seed(0)
+        net = _Direct()
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+        w, b = net.child.weight, net.child.bias
+        first = torch.nn.functional.linear(x, w, b)
+        second = torch.nn.functional.linear(first, w, b)
+        for _ in range(2):  # (the second trace swaps the wrappers in all at once)
+            with model.trace(x):
+                got = save([model.child.output, model.child.next().output])
+            assert torch.equal(got[0], first) and torch.equal(got[1], second)
+
+    def test_a_hook_a_body_adds_runs_after_the_body_saw_the_output(self):
+        """A forward hook registered from a body mid-trace runs on the module's next call; the
+        body reads the output as forward returned it, and the model goes on with the hook's."""
+        net = _stack()
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+        _trace_out(model, x, 2)
+        with model.trace(x):
+            handle = net[2].register_forward_hook(lambda m, i, o: o + 1)
+            try:
+                h = model[2].output.save()
+                out = model.output.save()
+            finally:
+                handle.remove()
+        plain = net(x)
+        assert torch.equal(h, plain) and torch.equal(out, plain + 1)
+
+    def test_global_module_hooks_run_and_see_every_call_once(self):
+        """With a global forward hook set (``register_module_forward_hook``), each module's
+        hook fires once per call in a trace, as in a plain forward."""
+        net = _stack()
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+        fired = []
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, i, o: fired.append(m))
+        try:
+            net(x)
+            plain = list(fired)
+            for _ in range(2):
+                fired.clear()
+                h = _trace_out(model, x, 1)
+                assert fired == plain
+                assert torch.equal(h, torch.relu(net[0](x)))
+        finally:
+            handle.remove()
+
+    def test_a_compiled_call_of_the_modules_own_is_used_and_kept(self):
+        """A module with its own ``_compiled_call_impl`` (where ``module.compile()`` puts
+        torch.compile's) still goes through it in a trace; bodies read the forward's output,
+        and the module keeps its own entry afterwards."""
+        net = _stack()
+        mod = net[2]
+
+        def doubled(*args, **kwargs):  # stands in for a compiled call: it changes the result
+            return mod._call_impl(*args, **kwargs) * 2
+
+        mod._compiled_call_impl = doubled
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+        try:
+            for _ in range(2):
+                with model.trace(x):
+                    h = model[2].output.save()
+                    out = model.output.save()
+                inner = mod.forward(torch.relu(net[0](x)))
+                assert torch.equal(h, inner) and torch.equal(out, inner * 2)
+                assert mod.__dict__["_compiled_call_impl"] is doubled
+        finally:
+            del mod._compiled_call_impl
