@@ -12,7 +12,7 @@ made by a body land in the batch without copying.
 from __future__ import annotations
 
 import dataclasses
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ def narrow(value: Any, start: int, size: int, total: int) -> Any:
     that ``view.grad`` in a backward body can answer with its rows of the base's gradient.
     """
     if isinstance(value, torch.Tensor):
-        if not _is_batch_tensor(value, total):
+        if not value.dim() or value.shape[0] != total:  # (not batch-shaped: as it is)
             return value
         view = value[start:start + size]  # a view, like narrow(), and cheaper to make
         view._nnsight_rows = (value, start, size)
@@ -141,7 +141,7 @@ def concat_inputs(inputs: list[tuple[tuple, dict]], sizes: list[int] | None = No
 
 
 def _concat_one(values: list, what: str):
-    if all(isinstance(v, torch.Tensor) for v in values):
+    if all(map(isinstance, values, repeat(torch.Tensor))):
         dtype, dims = values[0].dtype, values[0].dim()
         # torch.cat would promote mixed dtypes and skip empty 1-D tensors: only when neither
         # can happen does it decide alone; where it refuses, the checks below say why

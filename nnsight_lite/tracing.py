@@ -215,25 +215,25 @@ class Tracer(BodyContext):
         finally:
             self._collecting = False
             _collecting.depth -= 1
-        invokes = [(inv._args, inv._kwargs, inv._body, inv._snapshot) for inv in self._invokes]
-        self._invokes = []
+        invokes, self._invokes = self._invokes, []
         if not invokes:
             return
-        with_input = [(a, k) for a, k, _, _ in invokes if a or k]
-        if not with_input:
+        prepared = [model._prepare_inputs(*inv._args, **inv._kwargs) for inv in invokes
+                    if inv._args or inv._kwargs]
+        if not prepared:
             raise NNsightError(
                 "none of this trace's invokes has an input, so there is nothing to run the "
                 "model on; pass inputs to model.trace(...) or to at least one tracer.invoke(...)"
             )
-        prepared = [model._prepare_inputs(*a, **k) for a, k in with_input]
         args, kwargs, sizes = model._batch_inputs(prepared)
         inter = Interleaver(model._module, sum(sizes), model.__dict__)
         made = _add_edits(inter, model) if model._edits else []
         start = 0
         sized = iter(sizes)
         many = len(invokes) > 1
-        for a, k, body, snapshot in invokes:
-            if a or k:
+        add = inter.add
+        for inv in invokes:
+            if inv._args or inv._kwargs:
                 size = next(sized)
                 batch = (start, size) if many else None
                 start += size
@@ -241,10 +241,13 @@ class Tracer(BodyContext):
                 batch = None
             # Each invoke has its own scope: the trace body's names as of the invoke, then what
             # it binds itself; what other invokes bind reaches it through the shared `scope`.
+            snapshot = inv._snapshot
             own = scope.child(snapshot)
             made.append(own)
-            med = inter.add(body_job(body.code, own), batch, own)
-            med.shared, med.snapshot, med.assigned = scope, snapshot, body.assigned
+            body = inv._body
+            med = add(body_job(body.code, own), batch, own)
+            if body.assigned:  # (names it binds are published for later invokes: see publish)
+                med.shared, med.snapshot, med.assigned = scope, snapshot, body.assigned
         self._interleave(inter, made, args, kwargs)
 
     def _interleave(self, inter: Interleaver, made: list, args: tuple, kwargs: dict):
