@@ -155,6 +155,14 @@ class Envoy:
         else:
             med.set(self, INPUT, ((value,), kwargs))
 
+    @property
+    def path(self) -> str:
+        """nnsight's name for this module: ``"model"`` and its ``named_modules()`` name,
+        dotted (``model.transformer.h[-1].path == "model.transformer.h.11"``), the key of its
+        entry in a ``tracer.cache()``: ``cache[model.transformer.h[5].path].output``."""
+        mpath = self._mpath
+        return f"model.{mpath}" if mpath else "model"
+
     def next(self, step: int = 1) -> "Envoy":
         """Address this module's next call (reused modules, generation steps). Returns self."""
         med = current_mediator(self, "next()")

@@ -21,6 +21,24 @@ class TestTree:
         assert len(model.layers) == 3
         assert [e._module for e in model.layers[0:2]] == list(net.layers[0:2])
 
+    def test_path_is_the_dotted_module_name_that_keys_the_cache(self, net, x8):
+        """``envoy.path`` is nnsight's name for a module: "model" and its ``named_modules()``
+        name (a negative index resolved), the key under which ``tracer.cache()`` files it."""
+        model = NNsight(net)
+        names = {m: n for n, m in net.named_modules()}
+        assert model.path == "model"
+        assert model.layers[-1].path == "model." + names[net.layers[2]] == "model.layers.2"
+        assert model.block.path == "model.block"
+        seen = []
+        h = net.layers[1].register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+        try:
+            net(x8)
+        finally:
+            h.remove()
+        with model.trace(x8) as tracer:
+            cache = tracer.cache(modules=[model.layers[1]])
+        assert torch.equal(cache[model.layers[1].path].output, seen[0])
+
     def test_sequential_root(self, seq):
         model = NNsight(seq)
         assert len(model) == 4 and model[2]._module is seq[2]
