@@ -19,7 +19,7 @@ import torch
 from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patches backward)
 from .capture import ITER_BLOCK_NAME, Scope
 from .context import RUNTIME, BodyContext, body_job
-from .errors import InputError, NNsightError
+from .errors import InputError, InvokeError, NNsightError
 from .interleaver import Interleaver
 from .mediator import (
     _MISSING,
@@ -68,12 +68,21 @@ class Tracer(BodyContext):
     def invoke(self, *args, **kwargs) -> "Invoker":
         """A body with its own inputs, batched with the other invokes of this trace."""
         if not self._collecting:
-            raise NNsightError(
-                "tracer.invoke(...) can only be used directly inside `with model.trace() as "
-                "tracer:` when the trace itself was given no inputs; pass the inputs to each "
-                "invoke instead of to trace()"
-            )
+            raise self._misplaced_invoke()
         return Invoker(self, args, kwargs)
+
+    def _misplaced_invoke(self) -> InvokeError:
+        where = user_location()
+        if self._args or self._kwargs:
+            why = ("the trace itself was given inputs, so its body is the one invoke; pass the "
+                   "inputs to each tracer.invoke(...) instead of to trace()")
+        elif self._inter is not None:
+            why = ("it is inside another invoke's body, while the model runs; invokes sit "
+                   "directly in the trace's body, one after another: end the enclosing "
+                   "`with tracer.invoke(...):` block before opening the next")
+        else:
+            why = "its trace is not running; open invokes inside `with model.trace() as tracer:`"
+        return InvokeError(f"tracer.invoke(...) at {where} cannot add an invoke here: {why}")
 
     def stop(self) -> None:
         """End the model's forward here. Values saved so far are kept; later modules do not run."""
