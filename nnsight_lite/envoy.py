@@ -356,8 +356,14 @@ class Envoy:
             "here, as in nnsight 0.5-0.8, write `with model.edit() as edited:`.)")
 
     def __call__(self, *args, hook: bool = False, **kwargs):
-        """Call the module (``hook=`` is accepted for nnsight code and ignored: a call made
-        from a body is an ordinary call, not one of the traced model's)."""
+        """Call the module. From a body this is an ordinary call, not one of the traced
+        model's (``model.lm_head(h)`` in a logit lens takes nobody's place); with ``hook=True``
+        the trace sees it: the module and its submodules count the call and serve it to the
+        bodies waiting there (an attached SAE applied in an edit: see hooked.py)."""
+        if hook:
+            from .hooked import call_from_body
+
+            return call_from_body(self, args, kwargs)
         return self._module(*args, **kwargs)
 
     def __repr__(self) -> str:
