@@ -344,6 +344,14 @@ class Envoy:
             return iter(module.keys())
         return (self[i] for i in range(len(self)))
 
+    def __bool__(self) -> bool:
+        """True, as for any module; an empty ModuleList/Sequential/ModuleDict's Envoy is False
+        (``if model:`` and ``model or default`` do not go through ``len()``)."""
+        try:
+            return len(self._module) > 0
+        except TypeError:
+            return True
+
     def __len__(self) -> int:
         try:
             return len(self._module)

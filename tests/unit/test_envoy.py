@@ -169,6 +169,16 @@ class TestOldIdioms:
                     pass
 
 
+def test_an_envoy_is_truthy_like_its_module_list(net):
+    """``if model:`` / ``model or other`` work on any Envoy: True for a module that holds no
+    list of modules (where len() raises), and for a container the truth of its length (an
+    empty Sequential's Envoy is False), as for the modules themselves in plain Python."""
+    model = NNsight(net)
+    assert bool(model) and bool(model.head) and bool(model.layers)
+    assert (model or None) is model
+    assert not NNsight(torch.nn.Sequential()) and not bool(torch.nn.Sequential())
+
+
 def test_unpacking_a_model_that_is_no_container_says_what_to_write(seq, net):
     """``len()``/loops/unpacking work on container Envoys as on their modules (ground truth:
     the modules themselves); on another module they raise NotAContainerError (a TypeError)
