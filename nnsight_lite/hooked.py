@@ -24,7 +24,7 @@ asked: OutOfOrderError); another body (an invoke, or the trace's body under an e
 
 from __future__ import annotations
 
-from .mediator import current_mediator
+from .workers import _getcurrent
 
 __all__ = ["ModuleCall", "call_from_body", "run_for_body"]
 
@@ -41,11 +41,11 @@ class ModuleCall:
 
 
 def call_from_body(envoy, args: tuple, kwargs: dict):
-    """``envoy(*args, hook=True, **kwargs)`` from a body: the result of the traced call."""
-    med = current_mediator(envoy, "__call__(..., hook=True)")
-    inter = med.interleaver
-    if inter.finished or id(envoy._module) not in inter.slots:  # the forward is over, or
-        return envoy._module(*args, **kwargs)  # not a module of this trace: a plain call
+    """``envoy(*args, hook=True, **kwargs)``: from a body, the result of the traced call;
+    anywhere else (outside a trace, a backward block) an ordinary call, as in nnsight."""
+    med = getattr(_getcurrent(), "mediator", None)
+    if med is None or med.interleaver.finished or id(envoy._module) not in med.interleaver.slots:
+        return envoy._module(*args, **kwargs)  # no body, the forward is over, or not traced
     return med.parent.switch(ModuleCall(envoy._module, args, kwargs))
 
 

@@ -100,6 +100,14 @@ def test_without_hook_the_call_is_not_served(parts):
     assert torch.allclose(calls, net(x))  # the plain call replaced nothing
 
 
+def test_outside_a_trace_hook_true_is_an_ordinary_call(parts):
+    """Outside any trace ``envoy(x, hook=True)`` calls the module, as without ``hook``."""
+    net, aux, x = parts
+    model = NNsight(net)
+    with torch.no_grad():
+        assert torch.equal(model[0].aux(x, hook=True), aux(x))
+
+
 def test_an_error_in_a_hooked_call_is_raised_at_the_bodys_line(parts):
     """What the module raises reaches the user from the line that called it, unwrapped."""
     net, aux, x = parts
