@@ -27,6 +27,7 @@ from .errors import (
     BodySyntaxError,
     CacheError,
     InputError,
+    InvokeError,
     MissedModuleError,
     ModulePathError,
     NNsightError,
@@ -60,5 +61,6 @@ __all__ = [
     "BodySyntaxError",
     "BatchingError",
     "InputError",
+    "InvokeError",
     "CacheError",
 ]

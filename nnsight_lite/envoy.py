@@ -155,6 +155,14 @@ class Envoy:
         else:
             med.set(self, INPUT, ((value,), kwargs))
 
+    @property
+    def path(self) -> str:
+        """nnsight's name for this module: ``"model"`` and its ``named_modules()`` name,
+        dotted (``model.transformer.h[-1].path == "model.transformer.h.11"``), the key of its
+        entry in a ``tracer.cache()``: ``cache[model.transformer.h[5].path].output``."""
+        mpath = self._mpath
+        return f"model.{mpath}" if mpath else "model"
+
     def next(self, step: int = 1) -> "Envoy":
         """Address this module's next call (reused modules, generation steps). Returns self."""
         med = current_mediator(self, "next()")
@@ -336,6 +344,14 @@ class Envoy:
             return iter(module.keys())
         return (self[i] for i in range(len(self)))
 
+    def __bool__(self) -> bool:
+        """True, as for any module; an empty ModuleList/Sequential/ModuleDict's Envoy is False
+        (``if model:`` and ``model or default`` do not go through ``len()``)."""
+        try:
+            return len(self._module) > 0
+        except TypeError:
+            return True
+
     def __len__(self) -> int:
         try:
             return len(self._module)
@@ -348,8 +364,14 @@ class Envoy:
             "here, as in nnsight 0.5-0.8, write `with model.edit() as edited:`.)")
 
     def __call__(self, *args, hook: bool = False, **kwargs):
-        """Call the module (``hook=`` is accepted for nnsight code and ignored: a call made
-        from a body is an ordinary call, not one of the traced model's)."""
+        """Call the module. From a body this is an ordinary call, not one of the traced
+        model's (``model.lm_head(h)`` in a logit lens takes nobody's place); with ``hook=True``
+        the trace sees it: the module and its submodules count the call and serve it to the
+        bodies waiting there (an attached SAE applied in an edit: see hooked.py)."""
+        if hook:
+            from .hooked import call_from_body
+
+            return call_from_body(self, args, kwargs)
         return self._module(*args, **kwargs)
 
     def __repr__(self) -> str:

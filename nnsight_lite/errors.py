@@ -21,6 +21,7 @@ path, invoke, line, both shapes: tracebacks.record_reshape).
     ├── SourceUnavailableError (RuntimeError)   the with-block's source cannot be found
     ├── BodySyntaxError        (SyntaxError)    return / yield / break at the top of a body
     ├── BatchingError          (ValueError)     invoke inputs that cannot form one batch
+    ├── InvokeError            (RuntimeError)   tracer.invoke(...) opened where none can be added
     ├── InputError             (TypeError, ValueError)  a prompt or option a wrapper cannot use
     ├── InferenceModeSwitchError (RuntimeError) waiting for a value inside torch.inference_mode()
     ├── GradientError          (RuntimeError)   .grad / backward misuse (outside a backward block...)
@@ -69,6 +70,11 @@ class BodySyntaxError(NNsightError, SyntaxError):
 
 class BatchingError(NNsightError, ValueError):
     """The inputs of several invokes cannot be combined into one batch."""
+
+
+class InvokeError(NNsightError, RuntimeError):
+    """``tracer.invoke(...)`` opened where no invoke can be added: in a trace given inputs,
+    inside another invoke's body while the model runs, or after the trace."""
 
 
 class InputError(NNsightError, TypeError, ValueError):

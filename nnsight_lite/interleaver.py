@@ -35,6 +35,7 @@ from torch.nn.modules import module as _torch_module
 from . import batching
 from .capture import IterationEnd
 from .errors import NNsightError, OutsideTraceError
+from .hooked import ModuleCall, run_for_body
 from .mediator import (
     _DONE,
     _MISSING,
@@ -134,6 +135,8 @@ class Interleaver:
     edits: tuple = ()
     #: replacements that changed a value's shape, noted on an error the forward raises after
     reshaped: "tuple | list" = ()
+    #: the values still being served while a body's ``envoy(x, hook=True)`` runs (hooked.py)
+    calling: tuple = ()
 
     def __init__(self, root: torch.nn.Module, total: int = 1, home: "dict | None" = None):
         self.root = root
@@ -262,6 +265,8 @@ class Interleaver:
             return
         med.pending = req
         if req.__class__ is not tuple:  # a NameWait or BarrierWait (a module value is a key)
+            if req.__class__ is ModuleCall:  # or envoy(x, hook=True): make the call (hooked.py)
+                return self.register(med, run_for_body(self, med, req))
             self.name_waiters.append(med)
             return
         slot, kind, call = req

@@ -337,6 +337,8 @@ class Mediator:
         if passed:  # unless the model is handing out exactly this value right now
             now = inter.serving
             passed = now is None or now[0] is not slot or now[1] is not kind or now[2] != call
+            if passed and inter.calling:  # served further out, around a hook=True call
+                passed = key not in inter.calling
         if passed or inter.finished:
             raise self._late_error(envoy, key)
         self.pending_envoy = envoy

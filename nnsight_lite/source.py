@@ -39,6 +39,7 @@ import torch
 from .errors import ModulePathError, OutOfOrderError, SourceUnavailableError
 from .interleaver import Slot
 from .mediator import INPUT, current_mediator
+from .opnames import numbered_like_08
 from .workers import _getcurrent, user_location
 
 HELPER = "__nnsight_op__"
@@ -54,9 +55,10 @@ class Compiled:
     """A function's instrumented code: op ``names`` (in call-site index order) and where each
     op is in the source (``spans``: first and last line, file numbering)."""
 
-    __slots__ = ("code", "names", "spans", "lines", "first", "filename", "qualname", "index")
+    __slots__ = ("code", "names", "spans", "lines", "first", "filename", "qualname", "index",
+                 "aliases")
 
-    def __init__(self, code, names, spans, lines, first, filename, qualname):
+    def __init__(self, code, names, spans, lines, first, filename, qualname, aliases=None):
         self.code = code
         self.names = names
         self.spans = spans
@@ -65,6 +67,12 @@ class Compiled:
         self.filename = filename
         self.qualname = qualname
         self.index = {n: i for i, n in enumerate(names)}
+        #: nnsight 0.8's names of the same operations, where they differ (opnames.py)
+        self.aliases = {a: n for a, n in (aliases or {}).items() if a not in self.index}
+
+    def resolve(self, name: str) -> str:
+        """``name``, or the operation it is nnsight 0.8's name for."""
+        return name if name in self.index else self.aliases.get(name, name)
 
     def listing(self, title: str) -> str:
         """The source with each operation's name beside the line where its call starts."""
@@ -99,10 +107,12 @@ class Compiled:
 
 
 class _Rewriter(ast.NodeTransformer):
-    def __init__(self):
+    def __init__(self, numbered_08: dict):
         self.counts: dict[str, int] = {}
         self.names: list[str] = []
         self.spans: list[tuple[int, int]] = []
+        self.numbered_08 = numbered_08  # id(call node) -> nnsight 0.8's name (opnames.py)
+        self.aliases: dict[str, str] = {}
 
     def visit_Call(self, node: ast.Call):
         self.generic_visit(node)  # func, then args: inner calls are numbered first
@@ -117,6 +127,9 @@ class _Rewriter(ast.NodeTransformer):
         name = f"{base}_{n}"
         index = len(self.names)
         self.names.append(name)
+        alias = self.numbered_08.get(id(node))
+        if alias is not None and alias != name:
+            self.aliases[alias] = name
         self.spans.append((node.lineno, node.end_lineno or node.lineno))
         new = ast.Call(
             func=ast.Name(HELPER, ast.Load()),
@@ -168,8 +181,9 @@ def compiled(func: types.FunctionType) -> Compiled:
             f"the source found for {func.__qualname__} is not a function definition "
             f"({code.co_filename}:{first}); its operations cannot be traced"
         )
+    numbered_08 = numbered_like_08(fdef)
     fdef.decorator_list = []  # the rewrite replaces the function the decorators wrapped
-    rw = _Rewriter()
+    rw = _Rewriter(numbered_08)
     fdef = rw.visit(fdef)
     params = ", ".join((HELPER,) + code.co_freevars)
     shell = ast.parse(f"def __nnsight_shell__({params}):\n    pass").body[0]
@@ -187,7 +201,7 @@ def compiled(func: types.FunctionType) -> Compiled:
             "cannot be traced"
         )
     result = Compiled(inner, tuple(rw.names), tuple(rw.spans), lines, first,
-                      code.co_filename, func.__qualname__)
+                      code.co_filename, func.__qualname__, rw.aliases)
     _cache[code] = result
     _cache[inner] = result  # the instrumented function lists the same operations
     return result
@@ -461,7 +475,13 @@ class Source:
         hit = ops.get(name)
         if hit is not None:
             return hit
-        names = self._compiled().index
+        comp = self._compiled()
+        names = comp.index
+        if name not in names:
+            name = comp.resolve(name)
+            hit = ops.get(name)
+            if hit is not None:
+                return hit
         if name not in names:
             raise ModulePathError(
                 f"{self._path} has no operation {name!r} (at {user_location()}).{_near(name, names)} "
@@ -592,6 +612,7 @@ class FunctionSource:
         if name.startswith("__") or "_comp" not in self.__dict__:
             raise AttributeError(name)
         names = self._comp.index
+        name = self._comp.resolve(name)
         if name not in names:
             raise ModulePathError(
                 f"{self._path} has no operation {name!r} (at {user_location()}).{_near(name, names)} "

@@ -17,9 +17,9 @@ import sys
 import torch
 
 from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patches backward)
-from .capture import Scope
+from .capture import ITER_BLOCK_NAME, Scope
 from .context import RUNTIME, BodyContext, body_job
-from .errors import InputError, NNsightError
+from .errors import InputError, InvokeError, NNsightError
 from .interleaver import Interleaver
 from .mediator import (
     _MISSING,
@@ -68,12 +68,21 @@ class Tracer(BodyContext):
     def invoke(self, *args, **kwargs) -> "Invoker":
         """A body with its own inputs, batched with the other invokes of this trace."""
         if not self._collecting:
-            raise NNsightError(
-                "tracer.invoke(...) can only be used directly inside `with model.trace() as "
-                "tracer:` when the trace itself was given no inputs; pass the inputs to each "
-                "invoke instead of to trace()"
-            )
+            raise self._misplaced_invoke()
         return Invoker(self, args, kwargs)
+
+    def _misplaced_invoke(self) -> InvokeError:
+        where = user_location()
+        if self._args or self._kwargs:
+            why = ("the trace itself was given inputs, so its body is the one invoke; pass the "
+                   "inputs to each tracer.invoke(...) instead of to trace()")
+        elif self._inter is not None:
+            why = ("it is inside another invoke's body, while the model runs; invokes sit "
+                   "directly in the trace's body, one after another: end the enclosing "
+                   "`with tracer.invoke(...):` block before opening the next")
+        else:
+            why = "its trace is not running; open invokes inside `with model.trace() as tracer:`"
+        return InvokeError(f"tracer.invoke(...) at {where} cannot add an invoke here: {why}")
 
     def stop(self) -> None:
         """End the model's forward here. Values saved so far are kept; later modules do not run."""
@@ -95,7 +104,7 @@ class Tracer(BodyContext):
 
     def all(self):
         """Loop over every call of the modules a body reads: ``for step in tracer.all():``."""
-        return _iterate(slice(None))
+        return _iterate(slice(None), "tracer.all()")
 
     def next(self, step: int = 1) -> "Tracer":
         """Address the next call of every module this body reads from here on (generation
@@ -423,10 +432,10 @@ class _IterIndexer:
     """``tracer.iter[i]``, ``tracer.iter[a:b]``, ``tracer.iter[[i, j]]``."""
 
     def __getitem__(self, item):
-        return _iterate(item)
+        return _iterate(item, "tracer.iter[...]")
 
 
-def _iterate(item):
+def _iterate(item, form: str):
     med = current_mediator(None, "iter")
     ends = (item.start, item.stop) if isinstance(item, slice) else \
         (item,) if isinstance(item, int) else tuple(item)
@@ -446,33 +455,56 @@ def _iterate(item):
             itertools.count(start, step)
     else:
         steps = iter(list(item))
-    return _Steps(_iteration(med, steps), item)
+    return _Steps(_iteration(med, steps), form)
 
 
 class _Steps:
-    """What ``tracer.iter[...]`` / ``tracer.all()`` return: iterate it with ``for``. Used as a
-    ``with`` block (nnsight's older form) it raises an error showing the ``for`` form."""
+    """What ``tracer.iter[...]`` / ``tracer.all()`` return: iterate it with ``for``. The older
+    block form ``with tracer.iter[...] as step:`` written in a body is compiled into that loop
+    (capture/rewrite.py); entered any other way (a function defined outside the body) it
+    raises an error showing the ``for`` form."""
 
-    __slots__ = ("_steps", "_item")
+    __slots__ = ("_steps", "_form")
 
-    def __init__(self, steps, item):
+    def __init__(self, steps, form: str):
         self._steps = steps
-        self._item = item
+        self._form = form
 
     def __iter__(self):
         return self._steps
 
     def __enter__(self):
-        item = self._item
-        what = "tracer.all()" if item == slice(None) else "tracer.iter[...]"
+        what = self._form
         raise NNsightError(
-            f"`with {what}:` is nnsight's older block form; in nnsight_lite (and nnsight 0.5+) "
-            f"loop over the steps instead:\n    for step in {what}:\n        ...  # runs once per "
-            f"step, `step` is the step index (at {user_location()})"
+            f"`with {what}:` (nnsight's older block form) runs only where a body's own code "
+            f"opens it as `with tracer.iter[...]:` or `with tracer.all():`; here (at "
+            f"{user_location()}) loop over the steps instead:\n"
+            f"    for step in {what}:\n        ...  # runs once per step, `step` is the step index"
         )
 
     def __exit__(self, *exc):  # pragma: no cover - __enter__ always raises
         return False
+
+
+def _block_steps(steps, bind: bool):
+    """What ``with <x>.iter[...] [as step]:`` in a body loops over (capture/rewrite.py): the
+    steps of ``tracer.iter``/``tracer.all()`` (``()`` for each where nothing is bound), or, for
+    any other object that merely reads like one, a single pass inside ``with steps``."""
+    if isinstance(steps, _Steps):
+        return steps if bind else map(_nothing, steps)
+    return _once(steps, bind)
+
+
+def _nothing(_step):
+    return ()
+
+
+def _once(manager, bind: bool):
+    with manager as value:
+        yield value if bind else ()
+
+
+RUNTIME[ITER_BLOCK_NAME] = _block_steps
 
 
 class _ShiftedOffsets(dict):

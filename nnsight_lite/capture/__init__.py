@@ -15,6 +15,7 @@ from .body import Body, find_body
 from .rewrite import (
     GRAD_NAME,
     INLINE_NAME,
+    ITER_BLOCK_NAME,
     ITER_END_NAME,
     NAME_NAME,
     SAVE_NAME,
@@ -33,7 +34,8 @@ from .skip import (
 )
 
 __all__ = [
-    "Body", "find_body", "GRAD_NAME", "INLINE_NAME", "ITER_END_NAME", "NAME_NAME", "SAVE_NAME",
+    "Body", "find_body", "GRAD_NAME", "INLINE_NAME", "ITER_BLOCK_NAME",
+    "ITER_END_NAME", "NAME_NAME", "SAVE_NAME",
     "SET_GRAD_NAME", "IterationEnd", "class_body_name", "Scope", "caller_scope", "write_back",
     "SkipBody", "body_runs_inline", "cancel_inline_skip", "restore_tracing", "skip_body",
     "skip_inline",

@@ -31,6 +31,9 @@ SET_GRAD_NAME = "__nnsight_lite_set_grad__"
 #: (see ``skip_inline``) instead of a line tracer and an exception: cheaper by about a
 #: microsecond per block. Any other context manager's block runs as written.
 INLINE_NAME = "__nnsight_lite_inline__"
+#: ``with tracer.iter[...] as step:`` / ``with tracer.all():`` (nnsight's older block form) in a
+#: body becomes ``for step in ITER_BLOCK_NAME(tracer.iter[...]):`` (see _IterLoopGuard).
+ITER_BLOCK_NAME = "__nnsight_lite_iter_block__"
 #: A name read in a class body inside a body becomes ``NAME_NAME("name")``: class bodies look up
 #: globals in a plain dict, which would never reach the caller's names (see _ClassNames).
 NAME_NAME = "__nnsight_lite_name__"
@@ -85,18 +88,41 @@ def body_syntax_error(exc: SyntaxError, what: str, filename: str, lineno: int):
     return err
 
 
+def _names_steps(it) -> bool:
+    """Whether expression ``it`` reads like ``<x>.iter[...]`` or ``<x>.all()``."""
+    if isinstance(it, ast.Subscript):
+        return isinstance(it.value, ast.Attribute) and it.value.attr == "iter"
+    return (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute)
+            and it.func.attr == "all" and not it.args and not it.keywords)
+
+
 class _IterLoopGuard(ast.NodeTransformer):
     """Wrap ``for ... in tracer.iter[...]`` / ``tracer.all()`` loops so the end of the model's
-    calls ends the loop cleanly and the code after it still runs."""
+    calls ends the loop cleanly and the code after it still runs.
+
+    The block form ``with tracer.iter[...] as step: ...`` becomes the same loop over
+    ``ITER_BLOCK_NAME(tracer.iter[...])``, which runs a ``with`` of anything else once, as a
+    ``with`` would; with no ``as`` the loop binds nothing (``for () in ...``)."""
+
+    def visit_With(self, node: ast.With):
+        if len(node.items) != 1 or not _names_steps(node.items[0].context_expr):
+            self.generic_visit(node)
+            return node
+        item = node.items[0]
+        target = item.optional_vars
+        wants = target is not None
+        if not wants:
+            target = ast.Tuple(elts=[], ctx=ast.Store())
+        it = _call(ITER_BLOCK_NAME, item.context_expr, ast.Constant(wants))
+        loop = ast.copy_location(ast.For(target=target, iter=it, body=node.body, orelse=[]), node)
+        return self.visit_For(loop)
 
     def visit_For(self, node: ast.For):
         self.generic_visit(node)
         it = node.iter
-        is_iter = (isinstance(it, ast.Subscript) and isinstance(it.value, ast.Attribute)
-                   and it.value.attr == "iter")
-        is_all = (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute)
-                  and it.func.attr == "all")
-        if not (is_iter or is_all):
+        block = (isinstance(it, ast.Call) and isinstance(it.func, ast.Name)
+                 and it.func.id == ITER_BLOCK_NAME)
+        if not (block or _names_steps(it)):
             return node
         handler = ast.ExceptHandler(
             type=ast.Name(id=ITER_END_NAME, ctx=ast.Load()), name=None, body=[ast.Pass()]

@@ -13,8 +13,8 @@ import sys
 from collections import ChainMap
 from types import FrameType
 
-from .rewrite import (GRAD_NAME, INLINE_NAME, ITER_END_NAME, NAME_NAME, SAVE_NAME, SET_GRAD_NAME,
-                      IterationEnd)
+from .rewrite import (GRAD_NAME, INLINE_NAME, ITER_BLOCK_NAME, ITER_END_NAME, NAME_NAME, SAVE_NAME,
+                      SET_GRAD_NAME, IterationEnd)
 
 _PY313 = sys.version_info >= (3, 13)
 _CO_OPTIMIZED = 0x0001
@@ -126,7 +126,7 @@ def _get(mapping, name):
 
 
 _INTERNAL = frozenset({"__builtins__", ITER_END_NAME, SAVE_NAME, GRAD_NAME, SET_GRAD_NAME,
-                       INLINE_NAME, NAME_NAME})
+                       INLINE_NAME, NAME_NAME, ITER_BLOCK_NAME})
 
 
 def caller_scope(frame: FrameType, runtime: dict, on_missing) -> Scope:

@@ -1,5 +1,5 @@
 """Older nnsight names still run: ``apply``, ``tracer.log``, ``CONFIG``, and the block form of
-``tracer.iter`` gets an error that shows the loop form."""
+``tracer.iter`` (``with tracer.iter[...] as step:``) runs as the loop form in a body."""
 
 from __future__ import annotations
 
@@ -64,9 +64,133 @@ def test_config_debug_keeps_the_runtime_frames(model):
     assert not any("nnsight_lite" in f for f in files[False])
 
 
-@pytest.mark.parametrize("form", ["iter", "all"])
-def test_block_form_of_iter_shows_the_loop_form(model, form):
-    with pytest.raises(NNsightError, match=r"for step in tracer\.(iter\[\.\.\.\]|all\(\)):"):
+class Looped(torch.nn.Module):
+    """Applies one Linear three times: three calls of ``lin`` per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = torch.tanh(self.lin(x))
+        return x
+
+
+def _plain_looped(net, x, zero_at=()):
+    """Ground truth: each call's output of ``net.lin`` by a forward hook, zeroing the calls in
+    ``zero_at``; and the model's output."""
+    seen = []
+
+    def hook(m, i, o):
+        if len(seen) in zero_at:
+            o = torch.zeros_like(o)
+        seen.append(o.detach().clone())
+        return o
+
+    h = net.lin.register_forward_hook(hook)
+    try:
+        out = net(x)
+    finally:
+        h.remove()
+    return seen, out
+
+
+@pytest.mark.parametrize("form", ["iter[:]", "all()", "iter[1:3]"])
+def test_block_form_of_iter_runs_its_block_once_per_step(form):
+    """``with tracer.iter[...] as step:`` (nnsight's older block form, which nnsight 0.8 still
+    runs) in a body runs its block once per step, as ``for step in ...`` does: ``step`` is the
+    step index, an edit at one step changes only that call, and the code after the block runs."""
+    torch.manual_seed(0)
+    net = Looped()
+    model = NNsight(net)
+    x = torch.randn(2, 4)
+    with model.trace(x) as tracer:
+        steps = nnsight_lite.save([])
+        outs = nnsight_lite.save([])
+        if form == "all()":
+            with tracer.all() as step:
+                if step == 1:
+                    model.lin.output[:] = 0
+                outs.append(model.lin.output.clone())
+                steps.append(step)
+        elif form == "iter[:]":
+            with tracer.iter[:] as step:
+                if step == 1:
+                    model.lin.output[:] = 0
+                outs.append(model.lin.output.clone())
+                steps.append(step)
+        else:
+            with tracer.iter[1:3] as step:
+                if step == 1:
+                    model.lin.output[:] = 0
+                outs.append(model.lin.output.clone())
+                steps.append(step)
+        after = nnsight_lite.save(["ran"])
+    seen, _ = _plain_looped(net, x, zero_at={1})
+    wanted = [0, 1, 2] if form != "iter[1:3]" else [1, 2]
+    assert steps == wanted
+    assert all(torch.equal(a, seen[i]) for a, i in zip(outs, wanted, strict=True))
+    assert after == ["ran"]
+
+
+def test_block_form_without_as_runs_in_a_session():
+    """Without ``as`` (nothing bound: the loop is ``for () in ...``) the block form runs once
+    per step, in a session's trace too."""
+    torch.manual_seed(0)
+    net = Looped()
+    model = NNsight(net)
+    x = torch.randn(1, 4)
+    with model.session():
+        with model.trace(x) as tracer:
+            outs = nnsight_lite.save([])
+            with tracer.iter[:]:
+                outs.append(model.lin.output.clone())
+    seen, _ = _plain_looped(net, x)
+    assert len(outs) == 3 and all(torch.equal(a, b) for a, b in zip(outs, seen))
+
+
+class _Flags:
+    """A context manager reached as ``obj.all()``, which is no tracer's: it counts entries."""
+
+    def __init__(self):
+        self.entered = 0
+        self.exited = 0
+
+    def all(self):
+        return self
+
+    def __enter__(self):
+        self.entered += 1
+        return "flag"
+
+    def __exit__(self, *exc):
+        self.exited += 1
+        return False
+
+
+def test_a_with_of_another_objects_all_runs_once_as_a_with(model):
+    """Only tracer steps loop: ``with other.all() as v:`` in a body is an ordinary with-block
+    (entered and exited once, ``v`` bound to what ``__enter__`` returns)."""
+    flags = _Flags()
+    x = torch.randn(1, 4)
+    with model.trace(x):
+        with flags.all() as v:
+            got = nnsight_lite.save([v])
+            h = model[0].output.save()
+    assert (flags.entered, flags.exited, got) == (1, 1, ["flag"])
+    assert torch.allclose(h, model._module[0](x))
+
+
+def _helper_with_block(tracer, model):
+    with tracer.iter[:]:
+        model[0].output
+
+
+def test_block_form_outside_a_body_shows_the_loop_form(model):
+    """Entered from a function defined outside the body (not compiled with it), the block
+    form raises an error naming the form written and showing the ``for`` loop."""
+    with pytest.raises(NNsightError, match=r"`with tracer\.iter\[\.\.\.\]:`.*\n.*for step in "
+                       r"tracer\.iter\[\.\.\.\]:"):
         with model.trace(torch.randn(1, 4)) as tracer:
-            with (tracer.iter[:] if form == "iter" else tracer.all()):
-                model[0].output
+            _helper_with_block(tracer, model)

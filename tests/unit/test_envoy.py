@@ -21,6 +21,24 @@ class TestTree:
         assert len(model.layers) == 3
         assert [e._module for e in model.layers[0:2]] == list(net.layers[0:2])
 
+    def test_path_is_the_dotted_module_name_that_keys_the_cache(self, net, x8):
+        """``envoy.path`` is nnsight's name for a module: "model" and its ``named_modules()``
+        name (a negative index resolved), the key under which ``tracer.cache()`` files it."""
+        model = NNsight(net)
+        names = {m: n for n, m in net.named_modules()}
+        assert model.path == "model"
+        assert model.layers[-1].path == "model." + names[net.layers[2]] == "model.layers.2"
+        assert model.block.path == "model.block"
+        seen = []
+        h = net.layers[1].register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+        try:
+            net(x8)
+        finally:
+            h.remove()
+        with model.trace(x8) as tracer:
+            cache = tracer.cache(modules=[model.layers[1]])
+        assert torch.equal(cache[model.layers[1].path].output, seen[0])
+
     def test_sequential_root(self, seq):
         model = NNsight(seq)
         assert len(model) == 4 and model[2]._module is seq[2]
@@ -149,6 +167,16 @@ class TestOldIdioms:
             with model.trace(torch.randn(1, 6)) as tracer:
                 with tracer.cond(model[0].output.sum() > 0):
                     pass
+
+
+def test_an_envoy_is_truthy_like_its_module_list(net):
+    """``if model:`` / ``model or other`` work on any Envoy: True for a module that holds no
+    list of modules (where len() raises), and for a container the truth of its length (an
+    empty Sequential's Envoy is False), as for the modules themselves in plain Python."""
+    model = NNsight(net)
+    assert bool(model) and bool(model.head) and bool(model.layers)
+    assert (model or None) is model
+    assert not NNsight(torch.nn.Sequential()) and not bool(torch.nn.Sequential())
 
 
 def test_unpacking_a_model_that_is_no_container_says_what_to_write(seq, net):

@@ -16,7 +16,7 @@ from nnsight_lite import (
     OutOfOrderError,
     OutsideTraceError,
 )
-from nnsight_lite.errors import InferenceModeSwitchError
+from nnsight_lite.errors import InferenceModeSwitchError, InvokeError
 
 
 def _this_file_line(exc: BaseException, text: str) -> bool:
@@ -259,3 +259,36 @@ def test_reading_values_in_a_trace_without_inputs(seq):
     with pytest.raises(OutsideTraceError, match=r"trace that was given no inputs.*tracer\.invoke"):
         with model.trace() as tracer:
             model[0].output
+
+
+class TestMisplacedInvokes:
+    """``tracer.invoke(...)`` where no invoke can be added raises InvokeError (a RuntimeError)
+    that names the line and says which of the three mistakes it is; the trace leaves nothing
+    behind (the autouse fixture checks hooks and greenlets)."""
+
+    def test_an_invoke_inside_another_invokes_body(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(InvokeError, match=r"at .*test_errors\.py:\d+ .*inside another "
+                           r"invoke's body") as info:
+            with model.trace() as tracer:
+                with tracer.invoke(torch.randn(1, 6)):
+                    model[0].output
+                    with tracer.invoke(torch.randn(1, 6)):  # nested: the mistake
+                        pass
+        assert isinstance(info.value, RuntimeError)
+        assert _this_file_line(info.value, "nested: the mistake")
+
+    def test_an_invoke_in_a_trace_given_inputs(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(InvokeError, match=r"trace itself was given inputs"):
+            with model.trace(torch.randn(1, 6)) as tracer:
+                with tracer.invoke(torch.randn(1, 6)):
+                    pass
+
+    def test_an_invoke_after_the_trace(self, seq):
+        model = NNsight(seq)
+        with model.trace() as tracer:
+            with tracer.invoke(torch.randn(1, 6)):
+                pass
+        with pytest.raises(InvokeError, match=r"its trace is not running"):
+            tracer.invoke(torch.randn(1, 6))

@@ -101,6 +101,52 @@ class TestNames:
             NNsight(block).source.nothing_like_it
 
 
+class Picker(torch.nn.Module):
+    """Binds a function to a name before calling it and chains a call on a call's result: where
+    nnsight 0.8 numbers operations differently from the names here."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        act = torch.relu                         # 0.8: the binding act_0
+        h = act(self.lin(x))                     # here act_0; 0.8: act_1
+        t = h.view(2, -1).transpose(0, 1)        # here h_view_0_transpose_0; 0.8: transpose_0
+        return t.sum(0)
+
+
+class TestNnsight08Names:
+    def test_08_names_reach_the_same_operations(self, x):
+        """nnsight 0.8's names (an assignment shares the counter of the call after it; a
+        chained call is named by its last attribute) reach the same operations as the names
+        here: same values as the plain computation, and an edit through either name lands."""
+        torch.manual_seed(0)
+        net = Picker()
+        model = NNsight(net)
+        assert model.source.act_1 is model.source.act_0
+        assert model.source.transpose_0 is model.source.h_view_0_transpose_0
+        with model.trace(x):
+            a = model.source.act_1.output.clone().save()
+            t = model.source.transpose_0.output.save()
+            model.source.transpose_0.output[:] = 1.0
+            out = model.output.save()
+        with torch.no_grad():
+            h = torch.relu(net.lin(x))
+            assert torch.equal(a, h) and torch.equal(t, torch.ones_like(t))
+            assert torch.equal(out, torch.ones(h.numel() // 2, 2).sum(0))
+
+    def test_names_here_win_and_the_listing_is_unchanged(self):
+        """A name that is an operation here keeps meaning it (``act_0`` is the call, which
+        nnsight 0.8 names act_1, as 0.8's act_0 is an assignment); aliases are not listed."""
+        model = NNsight(Picker())
+        names = [op.name for op in model.source]
+        assert names == ["self_lin_0", "act_0", "h_view_0", "h_view_0_transpose_0", "t_sum_0"]
+        assert not any(ln.strip().startswith("transpose_0") for ln in str(model.source).splitlines())
+        with pytest.raises(ModulePathError, match=r"no operation 'act_2'"):
+            model.source.act_2
+
+
 class TestValues:
     def test_outputs_and_inputs_equal_plain_computation(self, block, x):
         """.output, .input and .inputs of ops equal the values computed by hand."""
