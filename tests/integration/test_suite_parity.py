@@ -3,9 +3,19 @@ GPT-2 and Llama, each checked against plain transformers."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from nnsight_lite import LanguageModel
+
 PROMPT = "the eiffel tower is in the city of"
+
+
+def load(path, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
+        return LanguageModel(path, **kw)
 
 
 def hf_step_logits(lm, hf, n):
@@ -37,3 +47,36 @@ def test_model_iter_and_all_are_the_tracers(lm, hf):
     assert len(every) == 3 and idx == [1, 2]
     for got, w in zip(every + some, want + want[1:3]):
         assert torch.allclose(got, w, atol=1e-5)
+
+
+def test_a_dotted_rename_key_below_the_root_binds_where_it_resolves(model_dirs, hf, arch):
+    """`rename={"h.0": "first_layer"}` (nnsight's test_cache_alias): a dotted key that names
+    nothing from the root binds on the module it resolves from (`transformer.first_layer` is
+    `transformer.h[0]`), in bodies and in cache navigation; a key that resolves from the root
+    still mounts there."""
+    from tests.integration.conftest import layers
+
+    stack = "h" if arch == "gpt2" else "layers"
+    lm = load(model_dirs[arch], dispatch=True,
+                       rename={f"{stack}.0": "first_layer", f"{stack}.1.mlp": "mlp1"})
+    parent = lm.transformer if arch == "gpt2" else lm.model
+    assert parent.first_layer is layers(lm, arch)[0]
+    assert parent.mlp1 is layers(lm, arch)[1].mlp
+    seen = {}
+    handle = layers(hf, arch)[0].register_forward_hook(lambda m, i, o: seen.update(h=o))
+    try:
+        enc = lm.tokenizer(PROMPT, return_tensors="pt")
+        hf(**enc)
+    finally:
+        handle.remove()
+    with lm.trace(PROMPT) as tracer:
+        cache = tracer.cache()
+        h = parent.first_layer.output.save()
+    root_name = "transformer" if arch == "gpt2" else "model"
+    cached = getattr(cache.model, root_name).first_layer.output
+    assert torch.allclose(h, seen["h"], atol=1e-5)
+    assert torch.equal(cached, h)
+    rooted = load(model_dirs[arch], dispatch=True,
+                           rename={f"{root_name}.{stack}.0": "first_layer"})
+    assert rooted.first_layer is layers(rooted, arch)[0]
+    assert "first_layer" not in dir(rooted.transformer if arch == "gpt2" else rooted.model)
