@@ -68,10 +68,11 @@ class Tracer(BodyContext):
     def invoke(self, *args, **kwargs) -> "Invoker":
         """A body with its own inputs, batched with the other invokes of this trace."""
         if not self._collecting:
-            raise NNsightError(
-                "tracer.invoke(...) can only be used directly inside `with model.trace() as "
-                "tracer:` when the trace itself was given no inputs; pass the inputs to each "
-                "invoke instead of to trace()"
+            raise InputError(
+                f"tracer.invoke(...) at {user_location()} cannot be opened while an invoke (or "
+                "the model) is already running: invokes go directly inside `with model.trace() "
+                "as tracer:`, one after the other, when the trace itself was given no inputs "
+                "(pass the inputs to each invoke instead of to trace())"
             )
         return Invoker(self, args, kwargs)
 
@@ -218,10 +219,14 @@ class Tracer(BodyContext):
         invokes = [(inv._args, inv._kwargs, inv._body, inv._snapshot) for inv in self._invokes]
         self._invokes = []
         if not invokes:
-            return
+            raise InputError(
+                f"model.trace() at {self._body.filename}:{self._body.lineno} was given no inputs "
+                "and its body opened no invoke, so there is nothing to run the model on; pass "
+                "inputs to model.trace(...) or open `with tracer.invoke(inputs):` blocks in it"
+            )
         with_input = [(a, k) for a, k, _, _ in invokes if a or k]
         if not with_input:
-            raise NNsightError(
+            raise InputError(
                 "none of this trace's invokes has an input, so there is nothing to run the "
                 "model on; pass inputs to model.trace(...) or to at least one tracer.invoke(...)"
             )

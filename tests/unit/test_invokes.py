@@ -376,3 +376,43 @@ def test_nested_traces_that_make_workers_keep_their_depth(seq):
             r = nnsight_lite.save(r)
         rooms.append(r)
     assert rooms == [rooms[0]] * 4
+
+
+class TestTraceWithoutInputs:
+    """nnsight's test_batching: a trace with no inputs and no invoke, and an invoke opened inside
+    another, raise a ValueError saying what to write (nnsight 0.8 raises ValueError too)."""
+
+    def test_no_inputs_and_no_invoke_raises_and_runs_nothing(self, seq):
+        """`with model.trace(): pass` (and a body that opens no invoke) raises InputError, a
+        ValueError naming the trace's line; the model's forward never runs."""
+        model = NNsight(seq)
+        calls = []
+        handle = seq.register_forward_hook(lambda m, i, o: calls.append(1))
+        try:
+            with pytest.raises(ValueError, match=r"no inputs.*no invoke.*tracer\.invoke") as err:
+                with model.trace():
+                    pass
+            assert isinstance(err.value, InputError)
+            assert f"{__file__}:" in str(err.value)
+            with pytest.raises(InputError, match="nothing to run"):
+                with model.trace() as tracer:
+                    n = 1  # noqa: F841
+        finally:
+            handle.remove()
+        assert calls == []
+        x = torch.randn(2, 6)
+        with model.trace(x):  # the model traces normally afterwards
+            out = model.output.save()
+        torch.testing.assert_close(out, seq(x))
+
+    def test_an_invoke_inside_an_invoke_raises_a_value_error(self, seq):
+        """Opening `tracer.invoke` inside another invoke's body raises InputError (a ValueError)
+        saying an invoke is already running, at the user's line."""
+        model = NNsight(seq)
+        with pytest.raises(ValueError, match="already running") as err:
+            with model.trace() as tracer:
+                with tracer.invoke(torch.randn(1, 6)):
+                    with tracer.invoke(torch.randn(1, 6)):
+                        pass
+        assert isinstance(err.value, InputError)
+        assert "test_invokes.py" in str(err.value)
