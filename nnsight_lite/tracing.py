@@ -216,15 +216,17 @@ class Tracer(BodyContext):
         finally:
             self._collecting = False
             _collecting.depth -= 1
-        invokes = [(inv._args, inv._kwargs, inv._body, inv._snapshot) for inv in self._invokes]
-        self._invokes = []
+            collected, self._invokes = self._invokes, []
+        invokes = [(inv._args, inv._kwargs, inv._body, inv._snapshot, inv._home)
+                   for inv in collected]
+        del collected  # the invokes' frames go with ``invokes`` when this returns
         if not invokes:
             raise InputError(
                 f"model.trace() at {self._body.filename}:{self._body.lineno} was given no inputs "
                 "and its body opened no invoke, so there is nothing to run the model on; pass "
                 "inputs to model.trace(...) or open `with tracer.invoke(inputs):` blocks in it"
             )
-        with_input = [(a, k) for a, k, _, _ in invokes if a or k]
+        with_input = [(a, k) for a, k, *_ in invokes if a or k]
         if not with_input:
             raise InputError(
                 "none of this trace's invokes has an input, so there is nothing to run the "
@@ -237,7 +239,8 @@ class Tracer(BodyContext):
         start = 0
         sized = iter(sizes)
         many = len(invokes) > 1
-        for a, k, body, snapshot in invokes:
+        homes: dict = {}  # id(frame) -> the shared scope of the invokes written in a helper
+        for a, k, body, snapshot, home in invokes:
             if a or k:
                 size = next(sized)
                 batch = (start, size) if many else None
@@ -246,10 +249,17 @@ class Tracer(BodyContext):
                 batch = None
             # Each invoke has its own scope: the trace body's names as of the invoke, then what
             # it binds itself; what other invokes bind reaches it through the shared `scope`.
-            own = scope.child(snapshot)
+            # Invokes opened in a helper function share names with that call's invokes only.
+            shared = scope
+            if home is not None:
+                shared = homes.get(id(home))
+                if shared is None:
+                    shared = homes[id(home)] = scope.child({})
+                    made.append(shared)
+            own = shared.child(snapshot)
             made.append(own)
             med = inter.add(body_job(body.code, own), batch, own)
-            med.shared, med.snapshot, med.assigned = scope, snapshot, body.assigned
+            med.shared, med.snapshot, med.assigned = shared, snapshot, body.assigned
         self._interleave(inter, made, args, kwargs)
 
     def _interleave(self, inter: Interleaver, made: list, args: tuple, kwargs: dict):
@@ -325,7 +335,7 @@ class Invoker(BodyContext):
     """
 
     _what = "invoke"
-    __slots__ = ("_tracer", "_args", "_kwargs", "_snapshot")
+    __slots__ = ("_tracer", "_args", "_kwargs", "_snapshot", "_home")
 
     def __init__(self, tracer: Tracer, args: tuple, kwargs: dict):
         self._tracer = tracer
@@ -336,6 +346,9 @@ class Invoker(BodyContext):
         # The trace body's names as they are now (a loop variable's current value, say): this
         # invoke's body will see these, not what the names hold when the collecting ends.
         self._snapshot = dict(frame.f_locals)
+        # None when written in the trace body itself; else the helper's frame, held until the
+        # trace's _run groups the invokes by it (see there)
+        self._home = None if frame.f_code is self._tracer._body.code else frame
         self._tracer._invokes.append(self)
 
 

@@ -416,3 +416,56 @@ class TestTraceWithoutInputs:
                         pass
         assert isinstance(err.value, InputError)
         assert "test_invokes.py" in str(err.value)
+
+
+class TestInvokesInHelpers:
+    """Invokes share the names of the code they are written in: a helper function's invokes do
+    not see names another helper's invokes bind (nnsight's test_batching::TestInvokeFromHelper)."""
+
+    def test_a_name_bound_in_another_helpers_invoke_stays_there(self, seq):
+        """`secret` bound in one helper's invoke is a NameError in another helper's invoke, while
+        a global of the same name is what the second helper reads when there is one."""
+        model = NNsight(seq)
+        seen = {}
+
+        def binds(tracer, x):
+            with tracer.invoke(x):
+                secret = model[0].output.sum()  # noqa: F841
+                shared_name = "from binds"  # noqa: F841
+
+        def reads(tracer, x):
+            with tracer.invoke(x):
+                model[1].output  # past where the other invoke binds
+                try:
+                    seen["secret"] = secret  # noqa: F821
+                except NameError:
+                    seen["secret"] = "NameError"
+                seen["global"] = shared_name
+
+        x1, x2 = torch.randn(1, 6), torch.randn(1, 6)
+        with model.trace() as tracer:
+            binds(tracer, x1)
+            reads(tracer, x2)
+        assert seen == {"secret": "NameError", "global": "module global"}
+
+    def test_invokes_of_one_helper_call_and_of_the_trace_body_still_share(self, seq):
+        """Two invokes written in one helper hand a value over as invokes in a trace body do;
+        the values are the plain model's."""
+        model = NNsight(seq)
+
+        def patch(tracer, clean, corrupt, out):
+            with tracer.invoke(clean):
+                h = model[1].output
+            with tracer.invoke(corrupt):
+                model[1].output[:] = h
+                out["patched"] = model.output
+
+        x1, x2 = torch.randn(1, 6), torch.randn(1, 6)
+        with model.trace() as tracer:
+            out = nnsight_lite.save({})
+            patch(tracer, x1, x2, out)
+        want = seq[3](seq[2](seq[1](seq[0](x1))))
+        torch.testing.assert_close(out["patched"], want)
+
+
+shared_name = "module global"
