@@ -80,3 +80,21 @@ def test_a_dotted_rename_key_below_the_root_binds_where_it_resolves(model_dirs, 
                            rename={f"{root_name}.{stack}.0": "first_layer"})
     assert rooted.first_layer is layers(rooted, arch)[0]
     assert "first_layer" not in dir(rooted.transformer if arch == "gpt2" else rooted.model)
+
+
+def test_remote_local_trace_and_generate_on_a_language_model(model_dirs, hf, arch):
+    """nnsight 0.5.16's `remote="local"` on a LanguageModel not yet dispatched: the trace and
+    the generate run shipped-and-answered in this process, loading the weights here; the
+    logits and the ids equal plain HF's."""
+    lm = load(model_dirs[arch])  # meta weights until a local run needs them
+    enc = lm.tokenizer(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        want_logits = hf(**enc).logits
+        want_ids = hf.generate(**enc, max_new_tokens=3, do_sample=False,
+                               pad_token_id=lm.tokenizer.pad_token_id)
+    with lm.trace(PROMPT, remote="local"):
+        logits = lm.lm_head.output.save()
+    with lm.generate(PROMPT, max_new_tokens=3, do_sample=False, remote="local") as tracer:
+        ids = tracer.result.save()
+    assert torch.allclose(logits, want_logits, atol=1e-5)
+    assert torch.equal(ids, want_ids)
