@@ -469,3 +469,68 @@ class TestInvokesInHelpers:
 
 
 shared_name = "module global"
+
+
+class DictBlock(torch.nn.Module):
+    """Returns ``{"h": lin(x), "aux": x.sum(-1)}`` (or a list ``[h, aux]``)."""
+
+    def __init__(self, as_list=False):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.as_list = as_list
+
+    def forward(self, x):
+        h = self.lin(x)
+        return [h, x.sum(-1)] if self.as_list else {"h": h, "aux": x.sum(-1)}
+
+
+class DictNet(torch.nn.Module):
+    def __init__(self, as_list=False):
+        super().__init__()
+        self.block = DictBlock(as_list)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        out = self.block(x)
+        h = out[0] if isinstance(out, list) else out["h"]
+        return {"logits": self.head(h), "h": h}
+
+
+class TestMembersSetInOneInvoke:
+    """Setting a member of a dict or list output (`out["h"] = x`, a model output's
+    `out.logits = x`) in one invoke of several changes that invoke's rows of the model's value
+    (nnsight's test_apply_modeloutput contract; was: lost, since the invoke's copy was narrowed)."""
+
+    @pytest.mark.parametrize("as_list", [False, True])
+    def test_a_member_set_in_a_middle_module_reaches_the_rest_of_the_forward(self, as_list):
+        """Invoke 0 sets its `h` to zeros: its logits are head(0), invoke 1's are untouched."""
+        torch.manual_seed(0)
+        net = DictNet(as_list)
+        model = NNsight(net)
+        x0, x1 = torch.randn(2, 4), torch.randn(3, 4)
+        key = 0 if as_list else "h"
+        with model.trace() as tracer:
+            with tracer.invoke(x0):
+                model.block.output[key] = torch.zeros(2, 4)
+                a = model.output["logits"].save()
+            with tracer.invoke(x1):
+                b = model.output["logits"].save()
+        torch.testing.assert_close(a, net.head(torch.zeros(2, 4)))
+        torch.testing.assert_close(b, net(x1)["logits"])
+
+    def test_a_root_member_set_in_one_invoke_is_seen_by_the_whole_batch(self):
+        """`model.output["logits"] = ones` in invoke 0: an empty invoke (the whole batch) sees
+        ones in invoke 0's rows and invoke 1's own logits in the rest."""
+        torch.manual_seed(0)
+        net = DictNet()
+        model = NNsight(net)
+        x0, x1 = torch.randn(2, 4), torch.randn(3, 4)
+        with model.trace() as tracer:
+            with tracer.invoke(x0):
+                model.output["logits"] = torch.ones(2, 2)
+            with tracer.invoke(x1):
+                pass
+            with tracer.invoke():
+                whole = model.output["logits"].save()
+        torch.testing.assert_close(whole[:2], torch.ones(2, 2))
+        torch.testing.assert_close(whole[2:], net(x1)["logits"])
