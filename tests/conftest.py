@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import nnsight_lite  # noqa: F401  (patches Tensor.save / Tensor.backward once)
-from nnsight_lite.interleaver import _traced
+from nnsight_lite.interleaver import Slot, _traced
 from tests.helpers import suspended_bodies
 
 settings.register_profile(
@@ -30,7 +30,7 @@ def _leftovers():
         for m in root.modules():
             d = m.__dict__
             fwd = d.get("forward")
-            if fwd is not None and hasattr(fwd, "__wrapped__"):
+            if fwd is not None and isinstance(getattr(fwd, "__wrapped__", None), Slot):
                 bad.append(f"traced forward left on {type(m).__name__}")
             if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks"):
                 bad.append(f"hook left on {type(m).__name__}")
