@@ -14,7 +14,8 @@ counting when the user drops it.
 ``rename`` keys, as in nnsight:
 
     "mlp"             every module with a child ``mlp`` gets the alias for it
-    "transformer.h"   a dotted path: mounted on the root under the alias
+    "transformer.h"   a dotted path: mounted on the root under the alias (one that does not
+                      resolve from the root, ``"h.0"``, is bound where it resolves, as ".h.0")
     ".h"              a leading dot: bound on whichever module has that path below it
     "*.h"             ``*`` stands for any one child name (one match per module, else an error)
     SomeModuleClass   bound on every module with exactly one direct child of that class
@@ -87,12 +88,18 @@ class Tree:
             return
         if not isinstance(key, str) or not key.strip("."):
             raise TypeError(f"rename keys are module names, dotted paths or classes, got {key!r}")
+        if "." in key and not key.startswith(".") and "*" not in key:  # mounted on the root
+            found = list(_match(modules[""], tuple(key.split(".")), ""))
+            if found:
+                yield "", found[0]
+                return
+            key = "." + key  # names nothing from the root: bound where it resolves, as nnsight
         if key.startswith("."):  # resolved below every module
             parts = tuple(key[1:].split("."))
             for path, module in modules.items():
                 for rel in _match(module, parts, path):
                     yield path, rel
-        elif "." in key or "*" in key:  # mounted on the root
+        elif "*" in key:  # mounted on the root
             found = list(_match(modules[""], tuple(key.split(".")), ""))
             if found:
                 yield "", found[0]

@@ -174,6 +174,9 @@ RUNTIME[GRAD_NAME] = read_grad
 RUNTIME[SET_GRAD_NAME] = set_grad
 
 
+_FREED = "backward through the graph a second time"  # autograd's message, freed graph
+
+
 class Backward(BodyContext):
     """``with loss.backward(gradient=None, retain_graph=None, create_graph=False, inputs=None):``
 
@@ -232,6 +235,10 @@ class Backward(BodyContext):
             _set_multithreading(False)
             try:
                 _original_backward(loss, *self._args)
+            except RuntimeError as exc:
+                if _FREED not in str(exc):
+                    raise
+                raise self._freed_error(exc) from exc
             finally:
                 _set_multithreading(multithreading)
             self._finished = True
@@ -243,6 +250,25 @@ class Backward(BodyContext):
             now = tls_state()
             if now != saved_state:
                 set_tls_state(saved_state, now)
+
+    def _freed_error(self, exc: RuntimeError) -> GradientError:
+        """Autograd's "backward through the graph a second time", said in terms of the trace."""
+        med = getattr(self._runner, "mediator", None)
+        many = med is not None and len(med.interleaver.mediators) > 1
+        cause = (
+            "all invokes of a trace run as one batched forward, so they share one autograd "
+            "graph, and a backward in an earlier invoke freed it" if many else
+            "an earlier backward through the same graph freed it"
+        )
+        fix = (
+            "this backward passes retain_graph=True; it is the earlier one that did not: pass "
+            "retain_graph=True to every backward but the last" if self._args[1] else
+            "pass retain_graph=True to every backward but the last"
+        )
+        return GradientError(
+            f"`with loss.backward():` at {user_location()}: the autograd graph was already "
+            f"freed: {cause}; {fix} (torch: {str(exc).split('. ')[0]}.)"
+        )
 
     def _cleanup(self) -> None:
         """Remove the gradient hooks and unwind the body if it is still attached (idempotent)."""

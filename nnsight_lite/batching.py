@@ -2,6 +2,7 @@
 
     narrow(value, start, size, total)         each invoke's view of a (nested) value
     merge(full, part, start, size, total)     the full value with one invoke's rows replaced
+    entries / merge_replaced                  members a body set in a narrowed dict or list
     concat_inputs(invoke_inputs)              one batch from several invokes' (args, kwargs)
 
 A tensor is "batch-shaped" when its first dimension equals the trace's total batch size; only
@@ -61,6 +62,36 @@ def merge(full: Any, part: Any, start: int, size: int, total: int) -> Any:
             out[k] = merge(full[k], p, start, size, total) if k in full else p
         return out
     return part
+
+
+def entries(view: Any):
+    """What a body could replace in its narrowed ``view`` without replacing the view itself:
+    the members of a dict (a model-output object included) or list, else None."""
+    if isinstance(view, dict):
+        return dict(view)
+    if isinstance(view, list):
+        return list(view)
+    return None
+
+
+def merge_replaced(full: Any, view: Any, before, start: int, size: int, total: int) -> Any:
+    """``full`` with the members the body replaced in its container ``view`` since ``before``
+    (``view["h"] = x``, ``out.logits = x``, ``view[0] = x``) merged back into its rows."""
+    if isinstance(view, dict):
+        new = {k: v for k, v in view.items() if before.get(k, _ABSENT) is not v}
+        return merge(full, new, start, size, total) if new else full
+    if len(view) != len(before) or len(view) != len(full):
+        return full
+    new = [i for i, (v, b) in enumerate(zip(view, before)) if v is not b]
+    if not new:
+        return full
+    items = list(full)
+    for i in new:
+        items[i] = merge(full[i], view[i], start, size, total)
+    return _rebuild_sequence(full, items)
+
+
+_ABSENT = object()
 
 
 def _rebuild_sequence(like, items):

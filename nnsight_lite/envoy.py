@@ -173,6 +173,19 @@ class Envoy:
         offsets[slot] = offsets.get(slot, 0) + step
         return self
 
+    @property
+    def iter(self):
+        """nnsight 0.5-0.8's alias of ``tracer.iter`` (deprecated there): ``model.iter[1:3]``."""
+        from .tracing import _IterIndexer
+
+        return _IterIndexer()
+
+    def all(self):
+        """nnsight 0.5-0.8's alias of ``tracer.all()`` (deprecated there): ``model.all()``."""
+        from .tracing import _iterate
+
+        return _iterate(slice(None), "model.all()")
+
     def skip(self, value) -> None:
         """Do not run this module at its current call; use ``value`` as its output."""
         med = current_mediator(self, "skip()")

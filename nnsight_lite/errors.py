@@ -72,9 +72,10 @@ class BatchingError(NNsightError, ValueError):
     """The inputs of several invokes cannot be combined into one batch."""
 
 
-class InvokeError(NNsightError, RuntimeError):
+class InvokeError(NNsightError, RuntimeError, ValueError):
     """``tracer.invoke(...)`` opened where no invoke can be added: in a trace given inputs,
-    inside another invoke's body while the model runs, or after the trace."""
+    inside another invoke's body while the model runs, or after the trace (a ValueError too,
+    as nnsight 0.8 raises)."""
 
 
 class InputError(NNsightError, TypeError, ValueError):

@@ -324,7 +324,7 @@ class LanguageModel(NNsight):
         for k, v in kwargs.items():
             (tok if k in prompts.TOKENIZER_KWARGS and k != "max_length" else gen)[k] = v
         backend = take_backend(gen) if gen else None  # remote: the weights stay on the server
-        if backend is None:
+        if backend is None or backend.local:
             self.dispatch()
         elif not trace or not _called_as_context(sys._getframe(1)):
             raise InputError("a remote generate runs as a with-block: `with model.generate("

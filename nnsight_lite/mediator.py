@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 OUTPUT = "output"
 INPUT = "input"
 _DONE = object()
+_CONTAINERS = (dict, list)  # narrowed values whose members a body may set (see serve)
 _NO_OFFSETS: dict = {}  # shared and never written: Envoy.next() gives a mediator its own
 _MISSING = object()
 #: ``depth`` > 0 while a trace without inputs runs its body to collect invokes (this thread)
@@ -300,7 +301,13 @@ class Mediator:
         """Give the body its view of ``full`` at ``key``; return ``full`` with its edits applied."""
         b = self.batch
         total = self.interleaver.total
-        view = full if b is None else batching.narrow(full, b[0], b[1], total)
+        before = None
+        if b is None:
+            view = full
+        else:
+            view = batching.narrow(full, b[0], b[1], total)
+            if isinstance(view, _CONTAINERS):  # a narrowed copy of a dict or list
+                before = batching.entries(view)
         self.cur_key = key
         self.cur_value = view
         self.replaced = False
@@ -311,6 +318,8 @@ class Mediator:
         if self.replaced:
             new = self.cur_value
             full = new if b is None else batching.merge(full, new, b[0], b[1], total)
+        elif before is not None:  # members the body set on its copy go back into its rows
+            full = batching.merge_replaced(full, view, before, b[0], b[1], total)
         self.cur_value = None
         inter = self.interleaver
         inter.register(self, req)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import inspect
 import textwrap
 import types
@@ -273,12 +274,23 @@ def _function_of(callable_):
     return None, None
 
 
+def _accelerate_body(module: torch.nn.Module, forward):
+    """The forward an accelerate hook (``device_map=...`` dispatch, ``add_hook_to_module``)
+    wraps on ``module``: its ``_old_forward``, which the hook's wrapper calls between its
+    pre- and post-forward; else None."""
+    if getattr(module, "_hf_hook", None) is None or not isinstance(forward, functools.partial):
+        return None
+    old = module.__dict__.get("_old_forward")
+    return old if _function_of(old)[0] is not None else None
+
+
 def _module_function(module: torch.nn.Module):
     """The function a module's forward runs (an instance ``forward`` if one is set)."""
     forward = module.forward
     wrapped = getattr(forward, "__wrapped__", None)
     if isinstance(wrapped, Slot):  # the trace's counting wrapper
         forward = wrapped.orig
+    forward = _accelerate_body(module, forward) or forward
     func, _ = _function_of(forward)
     if func is None:
         raise SourceUnavailableError(
@@ -335,7 +347,8 @@ class SourceRun:
                 f"Touch {path} at the top of the body (before reading any value the model "
                 "computes), so its operations are counted from the start of the forward."
             )
-        func, owner = _function_of(mslot.orig)
+        body = _accelerate_body(mslot.module, mslot.orig)  # the hook stays, its body swaps
+        func, owner = _function_of(mslot.orig if body is None else body)
         if func is None:
             raise SourceUnavailableError(
                 f"{path[:-7]}.forward is {type(mslot.orig).__name__}, not a Python function, "
@@ -345,14 +358,22 @@ class SourceRun:
         new, comp = instrument(func, helper)
         slots = {n: OpSlot(mslot, f"{path}.{n}") for n in comp.names}
         table[:] = slots.values()
-        self.installed[mslot] = (mslot.orig, slots)
-        mslot.orig = new if owner is None else types.MethodType(new, owner)
+        new = new if owner is None else types.MethodType(new, owner)
+        if body is None:
+            self.installed[mslot] = (mslot.orig, slots)
+            mslot.orig = new
+        else:
+            self.installed[mslot] = (body, slots)
+            mslot.module.__dict__["_old_forward"] = new
         return slots
 
     def close(self) -> None:
         """Put every forward back as it was and forget this trace's operation slots."""
         for mslot, (prev, _) in self.installed.items():
-            mslot.orig = prev
+            if _accelerate_body(mslot.module, mslot.orig) is not None:
+                mslot.module.__dict__["_old_forward"] = prev
+            else:
+                mslot.orig = prev
         self.installed.clear()
         self.inter = None
 

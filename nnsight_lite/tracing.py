@@ -224,13 +224,17 @@ class Tracer(BodyContext):
         finally:
             self._collecting = False
             _collecting.depth -= 1
-        invokes, self._invokes = self._invokes, []
+            invokes, self._invokes = self._invokes, []
         if not invokes:
-            return
+            raise InputError(
+                f"model.trace() at {self._body.filename}:{self._body.lineno} was given no inputs "
+                "and its body opened no invoke, so there is nothing to run the model on; pass "
+                "inputs to model.trace(...) or open `with tracer.invoke(inputs):` blocks in it"
+            )
         prepared = [model._prepare_inputs(*inv._args, **inv._kwargs) for inv in invokes
                     if inv._args or inv._kwargs]
         if not prepared:
-            raise NNsightError(
+            raise InputError(
                 "none of this trace's invokes has an input, so there is nothing to run the "
                 "model on; pass inputs to model.trace(...) or to at least one tracer.invoke(...)"
             )
@@ -241,6 +245,7 @@ class Tracer(BodyContext):
         sized = iter(sizes)
         many = len(invokes) > 1
         add = inter.add
+        homes: dict = {}  # id(frame) -> the shared scope of the invokes written in a helper
         for inv in invokes:
             if inv._args or inv._kwargs:
                 size = next(sized)
@@ -250,13 +255,21 @@ class Tracer(BodyContext):
                 batch = None
             # Each invoke has its own scope: the trace body's names as of the invoke, then what
             # it binds itself; what other invokes bind reaches it through the shared `scope`.
+            # Invokes opened in a helper function share names with that call's invokes only.
+            shared = scope
+            home = inv._home
+            if home is not None:
+                shared = homes.get(id(home))
+                if shared is None:
+                    shared = homes[id(home)] = scope.child({})
+                    made.append(shared)
             snapshot = inv._snapshot
-            own = scope.child(snapshot)
+            own = shared.child(snapshot)
             made.append(own)
             body = inv._body
             med = add(body_job(body.code, own), batch, own)
             if body.assigned:  # (names it binds are published for later invokes: see publish)
-                med.shared, med.snapshot, med.assigned = scope, snapshot, body.assigned
+                med.shared, med.snapshot, med.assigned = shared, snapshot, body.assigned
         self._interleave(inter, made, args, kwargs)
 
     def _interleave(self, inter: Interleaver, made: list, args: tuple, kwargs: dict):
@@ -332,7 +345,7 @@ class Invoker(BodyContext):
     """
 
     _what = "invoke"
-    __slots__ = ("_tracer", "_args", "_kwargs", "_snapshot")
+    __slots__ = ("_tracer", "_args", "_kwargs", "_snapshot", "_home")
 
     def __init__(self, tracer: Tracer, args: tuple, kwargs: dict):
         self._tracer = tracer
@@ -343,6 +356,9 @@ class Invoker(BodyContext):
         # The trace body's names as they are now (a loop variable's current value, say): this
         # invoke's body will see these, not what the names hold when the collecting ends.
         self._snapshot = dict(frame.f_locals)
+        # None when written in the trace body itself; else the helper's frame, held until the
+        # trace's _run groups the invokes by it (see there)
+        self._home = None if frame.f_code is self._tracer._body.code else frame
         self._tracer._invokes.append(self)
 
 

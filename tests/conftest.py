@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import nnsight_lite  # noqa: F401  (patches Tensor.save / Tensor.backward once)
-from nnsight_lite.interleaver import _traced
+from nnsight_lite.interleaver import Slot, _traced
 from tests.helpers import suspended_bodies
 
 settings.register_profile(
@@ -31,7 +31,7 @@ def _leftovers():
             d = m.__dict__
             for key in ("forward", "_compiled_call_impl"):
                 fn = d.get(key)
-                if fn is not None and hasattr(fn, "__wrapped__"):
+                if fn is not None and isinstance(getattr(fn, "__wrapped__", None), Slot):
                     bad.append(f"traced {key} left on {type(m).__name__}")
             if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks"):
                 bad.append(f"hook left on {type(m).__name__}")

@@ -54,10 +54,11 @@ class Scope(dict):
 
     def __missing__(self, name):
         up = self._up
-        if up is not None:  # a child: the names of the Scope it was made from come first
+        while up is not None:  # a child: the names of the Scopes it was made from come first
             value = dict.get(up, name, _ABSENT)
             if value is not _ABSENT:
                 return value
+            up = up._up
         loc = self._locals
         # a plain dict (a module's or a function's locals) is asked without raising KeyError;
         # other mappings (a Scope with its own fallbacks, a class body's ChainMap) by indexing
@@ -73,9 +74,9 @@ class Scope(dict):
         return value
 
     def child(self, names: dict) -> "Scope":
-        """A Scope holding ``names`` whose lookups fall back to this one's own names, then to
-        where this one's fall back (asked directly: one lookup less per name read). Only a
-        Scope made by ``Scope(...)`` has children (a trace's, for its invokes)."""
+        """A Scope holding ``names`` whose lookups fall back to this one's own names (and its
+        parents'), then to where this one's fall back, asked directly: one ``__missing__`` call
+        per name read, however deep the chain."""
         c = Scope.__new__(Scope)
         c.keep_all = False
         c._on_missing = self._on_missing

@@ -82,10 +82,11 @@ def finish(model, reply: dict, max_bytes, filename: str) -> bytes:
 class _Invoke:
     """What Tracer._run reads of an invoke: inputs, body, the names it sees."""
 
-    __slots__ = ("_args", "_kwargs", "_body", "_snapshot")
+    __slots__ = ("_args", "_kwargs", "_body", "_snapshot", "_home")
 
     def __init__(self, args, kwargs, body, snapshot):
         self._args, self._kwargs, self._body, self._snapshot = args, kwargs, body, snapshot
+        self._home = None  # (no helper frame; nothing is published to the others anyway)
 
 
 class _Body:

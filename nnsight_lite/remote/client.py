@@ -2,6 +2,7 @@
 
     connect(address, ...)   join a Ray cluster; return a Backend (the default for remote=True)
     Backend                 where remote traces run: a served model's replicas, with limits
+    LocalBackend            ``remote="local"``: shipped and answered in this process
     run_remote(ctx, frame)  what a trace / session with a backend does at the end of its block
 
 Example::
@@ -55,8 +56,10 @@ class Backend:
         self.last_sent = self.last_received = 0  # bytes of the last request and its reply
         self.last_batch = 0  # how many requests shared the last request's forward
 
+    local = False  # runs on this process's model (LocalBackend)
+
     def __repr__(self):
-        return f"Backend({self.name!r})"
+        return f"{type(self).__name__}({self.name!r})"
 
     def name_for(self, model) -> str:
         if self.name is not None:
@@ -69,6 +72,26 @@ class Backend:
             "remote.connect(..., name='served-name') or backend=remote.Backend('served-name') "
             f"(served now: {served()})")
 
+    def send(self, model, payload: bytes, block) -> bytes:
+        """Run the request ``payload`` (wire bytes) on a replica; its reply (wire bytes)."""
+        import ray
+        import ray.exceptions
+
+        name = self.name_for(model)
+        replica = self.replica(name)
+        wait = None if self.time_limit is None else self.time_limit + _SLACK
+        try:
+            return ray.get(replica.run.remote(payload), timeout=wait)
+        except ray.exceptions.GetTimeoutError:
+            raise RemoteTimeoutError(
+                f"no reply from model {name!r} within {wait:g} s for the block at "
+                f"{block.filename}:{block.lineno}") from None
+        except ray.exceptions.RayActorError as exc:
+            raise RemoteError(
+                f"the replica serving {name!r} died during the request for the block at "
+                f"{block.filename}:{block.lineno} ({type(exc).__name__}); Ray restarts it: run "
+                "the block again") from None
+
     def replica(self, name: str):
         """The next replica serving ``name`` (round robin)."""
         with self._lock:
@@ -80,6 +103,28 @@ class Backend:
                 f"no model named {name!r} is served on this Ray cluster; served: {served()}. "
                 f"Start it with `python -m nnsight_lite.remote serve ... --name {name}`")
         return handles[next(self._turn) % len(handles)]
+
+
+class LocalBackend(Backend):
+    """``remote="local"`` (nnsight 0.5.16+'s simulation): the block and the values it reads are
+    pickled as for a cluster, run by the server's code on this process's model, and the reply
+    is pickled back; so a block that would fail to ship fails here, without a cluster.
+
+    Example::
+
+        with model.trace("Hello", remote="local"):
+            h = model.transformer.h[0].output.save()
+    """
+
+    local = True
+
+    def __init__(self):
+        super().__init__("local")
+
+    def send(self, model, payload: bytes, block) -> bytes:
+        from .batching import handle
+
+        return handle(model, payload, {})
 
 
 def connect(address: str | None = "auto", *, name: str | None = None,
@@ -127,9 +172,6 @@ def resolve_backend(backend):
 def run_remote(ctx, frame, model) -> None:
     """Ship ``ctx``'s with-block to a replica; bind what it saved in ``frame``; raise its
     error as the same exception type, the user's file:line in the message."""
-    import ray
-    import ray.exceptions
-
     backend = ctx._backend
     block = wire.shipped_block(ctx._body)
     values = wire.caller_values(frame, block.names)
@@ -146,20 +188,7 @@ def run_remote(ctx, frame, model) -> None:
     except Exception as exc:
         raise RemoteError(f"the values the remote block at {block.filename}:{block.lineno} "
                           f"reads could not be pickled: {exc!r}") from None
-    name = backend.name_for(model)
-    replica = backend.replica(name)
-    wait = None if backend.time_limit is None else backend.time_limit + _SLACK
-    try:
-        data = ray.get(replica.run.remote(payload), timeout=wait)
-    except ray.exceptions.GetTimeoutError:
-        raise RemoteTimeoutError(
-            f"no reply from model {name!r} within {wait:g} s for the block at "
-            f"{block.filename}:{block.lineno}") from None
-    except ray.exceptions.RayActorError as exc:
-        raise RemoteError(
-            f"the replica serving {name!r} died during the request for the block at "
-            f"{block.filename}:{block.lineno} ({type(exc).__name__}); Ray restarts it: run "
-            "the block again") from None
+    data = backend.send(model, payload, block)
     backend.last_sent, backend.last_received = len(payload), len(data)
     reply = wire.loads(data, model)
     backend.last_batch = reply.get("batch", 1)

@@ -1,7 +1,7 @@
 """The seam between the tracing contexts and remote execution (imports nothing heavy).
 
     take_backend(kwargs)   pop ``remote=`` / ``backend=`` from a context's keywords: the backend
-                           to run on, or None to run here
+                           to run on, or None to run here (``remote="local"``: a LocalBackend)
     serving()              a context manager the server runs requests under: there ``remote=``
                            in a shipped header means "here"
 
@@ -24,6 +24,10 @@ def take_backend(kwargs: dict):
         return None
     if getattr(_state, "serving", False):  # a shipped header evaluated on the server
         return None
+    if remote == "local" and backend is None:  # nnsight's simulation: pickled, run here
+        from .client import LocalBackend
+
+        return LocalBackend()
     from .client import resolve_backend
 
     return resolve_backend(backend)
@@ -31,7 +35,8 @@ def take_backend(kwargs: dict):
 
 def wants_remote(kwargs: dict) -> bool:
     """Whether ``kwargs`` ask for a remote run (a LanguageModel then keeps its meta weights)."""
-    return bool(kwargs.get("remote")) or kwargs.get("backend") is not None
+    remote = kwargs.get("remote")
+    return (bool(remote) and remote != "local") or kwargs.get("backend") is not None
 
 
 @contextlib.contextmanager

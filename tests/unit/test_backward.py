@@ -331,3 +331,57 @@ def test_freezing_a_module_by_leaving_it_out_of_the_optimizer(seq):
     torch.testing.assert_close(seq[1].weight, before)
     for a, b in zip(seq.parameters(), plain.parameters()):
         torch.testing.assert_close(a, b)
+
+
+class TestFreedGraphAcrossInvokes:
+    """A backward in each of two invokes frees the one graph they share: autograd's "backward
+    through the graph a second time" becomes a GradientError naming the cause and the fix
+    (nnsight's test_backward_errors)."""
+
+    @staticmethod
+    def _two(model, first_retain, second_retain):
+        x0, x1 = torch.randn(2, 6), torch.randn(3, 6)
+        with model.trace() as tracer:
+            with tracer.invoke(x0):
+                a = model[0].output
+                with model.output.sum().backward(retain_graph=first_retain):
+                    ga = a.grad.save()
+            with tracer.invoke(x1):
+                b = model[0].output
+                with model.output.sum().backward(retain_graph=second_retain):
+                    gb = b.grad.save()
+        return x0, x1, ga, gb
+
+    def test_the_error_names_the_shared_graph_and_the_fix(self, seq):
+        """Neither backward retains: the second raises GradientError (a RuntimeError) at its
+        `with` line, saying invokes share one graph and to pass retain_graph=True; with this
+        call already retaining, it says the earlier one did not."""
+        model = NNsight(seq)
+        with pytest.raises(GradientError, match=r"share one autograd graph.*retain_graph=True") \
+                as err:
+            self._two(model, None, None)
+        assert isinstance(err.value, RuntimeError)
+        assert "test_backward.py" in str(err.value)
+        assert isinstance(err.value.__cause__, RuntimeError)  # torch's own error, chained
+        with pytest.raises(GradientError, match="the earlier one that did not"):
+            self._two(model, None, True)
+
+    def test_retaining_all_but_the_last_gives_each_invoke_its_gradient(self, seq):
+        """The fix works: each invoke's gradient equals plain autograd on its rows alone."""
+        model = NNsight(seq)
+        x0, x1, ga, gb = self._two(model, True, None)
+        for x, got in ((x0, ga), (x1, gb)):
+            h = seq[0](x)
+            h.retain_grad()
+            seq[1:](h).sum().backward()
+            torch.testing.assert_close(got, h.grad)
+
+    def test_other_autograd_errors_are_not_reworded(self, seq):
+        """A backward failing for another reason (a gradient of the wrong shape) raises
+        torch's own RuntimeError, unchanged."""
+        model = NNsight(seq)
+        with pytest.raises(RuntimeError) as err:
+            with model.trace(torch.randn(2, 6)):
+                with model.output.sum().backward(gradient=torch.zeros(3, 3)):
+                    pass
+        assert not isinstance(err.value, GradientError)

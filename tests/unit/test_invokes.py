@@ -7,7 +7,7 @@ import torch
 
 import nnsight_lite
 from nnsight_lite import BatchingError, NNsight, OutOfOrderError
-from nnsight_lite.errors import InputError, MissedModuleError, OutsideTraceError
+from nnsight_lite.errors import InputError, InvokeError, MissedModuleError, OutsideTraceError
 from tests.helpers import record
 
 
@@ -376,3 +376,161 @@ def test_nested_traces_that_make_workers_keep_their_depth(seq):
             r = nnsight_lite.save(r)
         rooms.append(r)
     assert rooms == [rooms[0]] * 4
+
+
+class TestTraceWithoutInputs:
+    """nnsight's test_batching: a trace with no inputs and no invoke, and an invoke opened inside
+    another, raise a ValueError saying what to write (nnsight 0.8 raises ValueError too)."""
+
+    def test_no_inputs_and_no_invoke_raises_and_runs_nothing(self, seq):
+        """`with model.trace(): pass` (and a body that opens no invoke) raises InputError, a
+        ValueError naming the trace's line; the model's forward never runs."""
+        model = NNsight(seq)
+        calls = []
+        handle = seq.register_forward_hook(lambda m, i, o: calls.append(1))
+        try:
+            with pytest.raises(ValueError, match=r"no inputs.*no invoke.*tracer\.invoke") as err:
+                with model.trace():
+                    pass
+            assert isinstance(err.value, InputError)
+            assert f"{__file__}:" in str(err.value)
+            with pytest.raises(InputError, match="nothing to run"):
+                with model.trace() as tracer:
+                    n = 1  # noqa: F841
+        finally:
+            handle.remove()
+        assert calls == []
+        x = torch.randn(2, 6)
+        with model.trace(x):  # the model traces normally afterwards
+            out = model.output.save()
+        torch.testing.assert_close(out, seq(x))
+
+    def test_an_invoke_inside_an_invoke_raises_a_value_error(self, seq):
+        """Opening `tracer.invoke` inside another invoke's body raises InvokeError (a ValueError,
+        as nnsight 0.8's) saying it is inside another invoke's body, at the user's line."""
+        model = NNsight(seq)
+        with pytest.raises(ValueError, match="inside another invoke's body") as err:
+            with model.trace() as tracer:
+                with tracer.invoke(torch.randn(1, 6)):
+                    with tracer.invoke(torch.randn(1, 6)):
+                        pass
+        assert isinstance(err.value, InvokeError)
+        assert "test_invokes.py" in str(err.value)
+
+
+class TestInvokesInHelpers:
+    """Invokes share the names of the code they are written in: a helper function's invokes do
+    not see names another helper's invokes bind (nnsight's test_batching::TestInvokeFromHelper)."""
+
+    def test_a_name_bound_in_another_helpers_invoke_stays_there(self, seq):
+        """`secret` bound in one helper's invoke is a NameError in another helper's invoke, while
+        a global of the same name is what the second helper reads when there is one."""
+        model = NNsight(seq)
+        seen = {}
+
+        def binds(tracer, x):
+            with tracer.invoke(x):
+                secret = model[0].output.sum()  # noqa: F841
+                shared_name = "from binds"  # noqa: F841
+
+        def reads(tracer, x):
+            with tracer.invoke(x):
+                model[1].output  # past where the other invoke binds
+                try:
+                    seen["secret"] = secret  # noqa: F821
+                except NameError:
+                    seen["secret"] = "NameError"
+                seen["global"] = shared_name
+
+        x1, x2 = torch.randn(1, 6), torch.randn(1, 6)
+        with model.trace() as tracer:
+            binds(tracer, x1)
+            reads(tracer, x2)
+        assert seen == {"secret": "NameError", "global": "module global"}
+
+    def test_invokes_of_one_helper_call_and_of_the_trace_body_still_share(self, seq):
+        """Two invokes written in one helper hand a value over as invokes in a trace body do;
+        the values are the plain model's."""
+        model = NNsight(seq)
+
+        def patch(tracer, clean, corrupt, out):
+            with tracer.invoke(clean):
+                h = model[1].output
+            with tracer.invoke(corrupt):
+                model[1].output[:] = h
+                out["patched"] = model.output
+
+        x1, x2 = torch.randn(1, 6), torch.randn(1, 6)
+        with model.trace() as tracer:
+            out = nnsight_lite.save({})
+            patch(tracer, x1, x2, out)
+        want = seq[3](seq[2](seq[1](seq[0](x1))))
+        torch.testing.assert_close(out["patched"], want)
+
+
+shared_name = "module global"
+
+
+class DictBlock(torch.nn.Module):
+    """Returns ``{"h": lin(x), "aux": x.sum(-1)}`` (or a list ``[h, aux]``)."""
+
+    def __init__(self, as_list=False):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.as_list = as_list
+
+    def forward(self, x):
+        h = self.lin(x)
+        return [h, x.sum(-1)] if self.as_list else {"h": h, "aux": x.sum(-1)}
+
+
+class DictNet(torch.nn.Module):
+    def __init__(self, as_list=False):
+        super().__init__()
+        self.block = DictBlock(as_list)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        out = self.block(x)
+        h = out[0] if isinstance(out, list) else out["h"]
+        return {"logits": self.head(h), "h": h}
+
+
+class TestMembersSetInOneInvoke:
+    """Setting a member of a dict or list output (`out["h"] = x`, a model output's
+    `out.logits = x`) in one invoke of several changes that invoke's rows of the model's value
+    (nnsight's test_apply_modeloutput contract; was: lost, since the invoke's copy was narrowed)."""
+
+    @pytest.mark.parametrize("as_list", [False, True])
+    def test_a_member_set_in_a_middle_module_reaches_the_rest_of_the_forward(self, as_list):
+        """Invoke 0 sets its `h` to zeros: its logits are head(0), invoke 1's are untouched."""
+        torch.manual_seed(0)
+        net = DictNet(as_list)
+        model = NNsight(net)
+        x0, x1 = torch.randn(2, 4), torch.randn(3, 4)
+        key = 0 if as_list else "h"
+        with model.trace() as tracer:
+            with tracer.invoke(x0):
+                model.block.output[key] = torch.zeros(2, 4)
+                a = model.output["logits"].save()
+            with tracer.invoke(x1):
+                b = model.output["logits"].save()
+        torch.testing.assert_close(a, net.head(torch.zeros(2, 4)))
+        torch.testing.assert_close(b, net(x1)["logits"])
+
+    def test_a_root_member_set_in_one_invoke_is_seen_by_the_whole_batch(self):
+        """`model.output["logits"] = ones` in invoke 0: an empty invoke (the whole batch) sees
+        ones in invoke 0's rows and invoke 1's own logits in the rest."""
+        torch.manual_seed(0)
+        net = DictNet()
+        model = NNsight(net)
+        x0, x1 = torch.randn(2, 4), torch.randn(3, 4)
+        with model.trace() as tracer:
+            with tracer.invoke(x0):
+                model.output["logits"] = torch.ones(2, 2)
+            with tracer.invoke(x1):
+                pass
+            with tracer.invoke():
+                whole = model.output["logits"].save()
+        torch.testing.assert_close(whole[:2], torch.ones(2, 2))
+        torch.testing.assert_close(whole[2:], net(x1)["logits"])

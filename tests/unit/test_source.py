@@ -382,3 +382,55 @@ class TestCost:
         with model.scan(x):
             shape = nnsight_lite.save(tuple(model.source.scaled_scores_0.output.shape))
         assert shape == (4, 4)
+
+
+class TestAccelerateHooks:
+    """A module carrying an accelerate hook (what `device_map=` dispatch adds; its `forward` is
+    then a partial) still has `.source`: the forward the hook wraps is instrumented, and the
+    hook's pre- and post-forward still run once each (nnsight's test_source)."""
+
+    def test_source_under_an_accelerate_hook(self):
+        """Names list, an op's value and an op edit equal plain torch; the hook runs once per
+        call; after the trace the module's forward and `_old_forward` are what they were."""
+        accelerate_hooks = pytest.importorskip("accelerate.hooks")
+        calls = []
+
+        class Counting(accelerate_hooks.ModelHook):
+            def pre_forward(self, module, *args, **kwargs):
+                calls.append("pre")
+                return args, kwargs
+
+            def post_forward(self, module, output):
+                calls.append("post")
+                return output
+
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+        class Mlp(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = net
+
+            def forward(self, x):
+                h = torch.relu(self.net[0](x))
+                return self.net[2](h)
+
+        model_ = Mlp()
+        accelerate_hooks.add_hook_to_module(model_, Counting())
+        forward, old = model_.__dict__["forward"], model_.__dict__["_old_forward"]
+        model = NNsight(model_)
+        assert "torch_relu_0" in repr(model.source)
+        x = torch.randn(3, 4)
+        calls.clear()
+        with model.trace(x):
+            relu = model.source.torch_relu_0.output.clone().save()
+            model.source.torch_relu_0.output[:, 0] = 0
+            out = model.output.save()
+        assert calls == ["pre", "post"]
+        want = torch.relu(net[0](x))
+        torch.testing.assert_close(relu, want)
+        edited = want.clone()
+        edited[:, 0] = 0
+        torch.testing.assert_close(out, net[2](edited))
+        assert model_.__dict__["forward"] is forward and model_.__dict__["_old_forward"] is old

@@ -1,0 +1,100 @@
+"""nnsight 0.5-0.8 forms met running nnsight's own test suite with the import changed, on tiny
+GPT-2 and Llama, each checked against plain transformers."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from nnsight_lite import LanguageModel
+
+PROMPT = "the eiffel tower is in the city of"
+
+
+def load(path, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
+        return LanguageModel(path, **kw)
+
+
+def hf_step_logits(lm, hf, n):
+    """The last position's logits of each of plain HF greedy generate's ``n`` steps."""
+    steps = []
+    handle = hf.lm_head.register_forward_hook(lambda m, i, o: steps.append(o[:, -1].clone()))
+    try:
+        enc = lm.tokenizer(PROMPT, return_tensors="pt")
+        hf.generate(**enc, max_new_tokens=n, do_sample=False,
+                    pad_token_id=lm.tokenizer.pad_token_id)
+    finally:
+        handle.remove()
+    return steps
+
+
+def test_model_iter_and_all_are_the_tracers(lm, hf):
+    """`model.all()` and `model.iter[...]` (0.5-0.8's deprecated aliases on the Envoy) loop
+    over generation steps like `tracer.all()` / `tracer.iter[...]`."""
+    want = hf_step_logits(lm, hf, 3)
+    with lm.generate(PROMPT, max_new_tokens=3, do_sample=False):
+        every = list().save()
+        for _ in lm.all():
+            every.append(lm.lm_head.output[:, -1])
+    with lm.generate(PROMPT, max_new_tokens=3, do_sample=False):
+        some, idx = list().save(), list().save()
+        for step in lm.iter[1:3]:
+            some.append(lm.lm_head.output[:, -1])
+            idx.append(step)
+    assert len(every) == 3 and idx == [1, 2]
+    for got, w in zip(every + some, want + want[1:3]):
+        assert torch.allclose(got, w, atol=1e-5)
+
+
+def test_a_dotted_rename_key_below_the_root_binds_where_it_resolves(model_dirs, hf, arch):
+    """`rename={"h.0": "first_layer"}` (nnsight's test_cache_alias): a dotted key that names
+    nothing from the root binds on the module it resolves from (`transformer.first_layer` is
+    `transformer.h[0]`), in bodies and in cache navigation; a key that resolves from the root
+    still mounts there."""
+    from tests.integration.conftest import layers
+
+    stack = "h" if arch == "gpt2" else "layers"
+    lm = load(model_dirs[arch], dispatch=True,
+                       rename={f"{stack}.0": "first_layer", f"{stack}.1.mlp": "mlp1"})
+    parent = lm.transformer if arch == "gpt2" else lm.model
+    assert parent.first_layer is layers(lm, arch)[0]
+    assert parent.mlp1 is layers(lm, arch)[1].mlp
+    seen = {}
+    handle = layers(hf, arch)[0].register_forward_hook(lambda m, i, o: seen.update(h=o))
+    try:
+        enc = lm.tokenizer(PROMPT, return_tensors="pt")
+        hf(**enc)
+    finally:
+        handle.remove()
+    with lm.trace(PROMPT) as tracer:
+        cache = tracer.cache()
+        h = parent.first_layer.output.save()
+    root_name = "transformer" if arch == "gpt2" else "model"
+    cached = getattr(cache.model, root_name).first_layer.output
+    assert torch.allclose(h, seen["h"], atol=1e-5)
+    assert torch.equal(cached, h)
+    rooted = load(model_dirs[arch], dispatch=True,
+                           rename={f"{root_name}.{stack}.0": "first_layer"})
+    assert rooted.first_layer is layers(rooted, arch)[0]
+    assert "first_layer" not in dir(rooted.transformer if arch == "gpt2" else rooted.model)
+
+
+def test_remote_local_trace_and_generate_on_a_language_model(model_dirs, hf, arch):
+    """nnsight 0.5.16's `remote="local"` on a LanguageModel not yet dispatched: the trace and
+    the generate run shipped-and-answered in this process, loading the weights here; the
+    logits and the ids equal plain HF's."""
+    lm = load(model_dirs[arch])  # meta weights until a local run needs them
+    enc = lm.tokenizer(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        want_logits = hf(**enc).logits
+        want_ids = hf.generate(**enc, max_new_tokens=3, do_sample=False,
+                               pad_token_id=lm.tokenizer.pad_token_id)
+    with lm.trace(PROMPT, remote="local"):
+        logits = lm.lm_head.output.save()
+    with lm.generate(PROMPT, max_new_tokens=3, do_sample=False, remote="local") as tracer:
+        ids = tracer.result.save()
+    assert torch.allclose(logits, want_logits, atol=1e-5)
+    assert torch.equal(ids, want_ids)

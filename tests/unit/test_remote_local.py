@@ -1,0 +1,43 @@
+"""``remote="local"`` (nnsight 0.5.16+): the block is shipped as to a cluster (pickled with the
+values it reads), run by the server's code on this process's model, and answered back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nnsight_lite import NNsight
+from nnsight_lite.errors import RemoteError
+
+
+def test_a_local_remote_trace_equals_plain_torch(seq):
+    """Reads, an in-place edit and the output of a `remote="local"` trace equal the plain
+    model's with the same edit; saved names are bound back, the unsaved are not."""
+    model = NNsight(seq)
+    x = torch.randn(3, 6)
+    scale = 2.0  # a caller value the shipped block reads
+    with model.trace(x, remote="local"):
+        h = model[1].output.save()
+        model[2].output[:] = model[2].output * scale
+        unsaved = model[2].output.sum()  # noqa: F841
+        out = model.output.save()
+    h_want = seq[1](seq[0](x))
+    torch.testing.assert_close(h, h_want)
+    torch.testing.assert_close(out, seq[3](seq[2](h_want) * scale))
+    assert "unsaved" not in locals()
+
+
+def test_a_value_that_cannot_ship_fails_as_on_a_cluster(seq):
+    """A block reading a value that cannot be pickled (a generator) raises RemoteError naming
+    the block, as it would against a cluster; the model's forward never runs."""
+    model = NNsight(seq)
+    calls = []
+    handle = seq.register_forward_hook(lambda m, i, o: calls.append(1))
+    gen = (i for i in range(3))
+    try:
+        with pytest.raises(RemoteError, match="could not be pickled"):
+            with model.trace(torch.randn(1, 6), remote="local"):
+                first = next(gen)  # noqa: F841
+    finally:
+        handle.remove()
+    assert calls == []
