@@ -64,6 +64,8 @@ _ENTRY = "_compiled_call_impl"  # where a module's call entry goes (see _entry)
 _HAS_ENTRY = getattr(torch.nn.Module, _ENTRY, _MISSING) is None and \
     getattr(torch.nn.Module, "_wrapped_call_impl", None) is torch.nn.Module.__call__
 _CALL_IMPL = torch.nn.Module._call_impl
+_HOOKS = frozenset(("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                    "_backward_pre_hooks"))
 # torch's global module hooks (never rebound, only filled): while any is set, calls take
 # torch's own path, hooks and all (see _entry)
 _GFH, _GFPH, _GBH, _GBPH = (getattr(_torch_module, f"_global_{n}", {}) for n in (
@@ -657,15 +659,17 @@ def _entry(slot: Slot, live: _Live):
     trace) goes to torch's ``_call_impl``, which calls ``forward``, the counting wrapper: every
     call is counted exactly once either way."""
     module = slot.module
-    if type(module)._call_impl is not _CALL_IMPL:  # a class that calls in its own way
-        return None
+    d = module.__dict__  # (its hook tables are read from here: Module's __getattr__ makes
+    # attribute reads of a module several times slower than a dict's)
+    if type(module)._call_impl is not _CALL_IMPL or not _HOOKS.issubset(d):
+        return None  # a class that calls in its own way, or a module torch did not set up
     call_impl = module._call_impl
 
     def entry(*args, **kwargs):
         inter = live.inter
-        if (inter is None or _getcurrent() is not inter.runner or module._forward_hooks
-                or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or _GFH or _GFPH or _GBH or _GBPH):
+        if (inter is None or _getcurrent() is not inter.runner or d["_forward_hooks"]
+                or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
+                or _GFH or _GFPH or _GBH or _GBPH):
             return call_impl(*args, **kwargs)
         # (_counted, in line: this runs at every module call of a trace)
         if slot.gen == live.serial:
