@@ -352,6 +352,9 @@ class Envoy:
         return env
 
     def __iter__(self):
+        editor = self.__dict__.pop("_unpacking", None)
+        if editor is not None:  # `with model.edit() as (tracer, edited):` (tracing.Editor)
+            return iter((editor, self))
         module = self._module
         if isinstance(module, torch.nn.ModuleDict):
             return iter(module.keys())
@@ -373,8 +376,7 @@ class Envoy:
         raise NotAContainerError(
             f"{self._path} ({type(self._module).__name__}) is not a container of modules: "
             "len(), loops and unpacking work on the Envoys of ModuleList, Sequential and "
-            "ModuleDict. (`with model.edit() as (tracer, edited):` is newer nnsight's form; "
-            "here, as in nnsight 0.5-0.8, write `with model.edit() as edited:`.)")
+            "ModuleDict; reach a child by its name (print(model) lists them).")
 
     def __call__(self, *args, hook: bool = False, **kwargs):
         """Call the module. From a body this is an ordinary call, not one of the traced

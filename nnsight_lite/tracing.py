@@ -408,7 +408,7 @@ class Editor(BodyContext):
         with edited.trace(x):
             out = edited.output.save()          # layer1 zeroed; model itself is unchanged
 
-    ``model.edit(inplace=True)`` edits ``model`` itself; ``model.clear_edits()`` removes all edits.
+    nnsight 0.8's ``with model.edit() as (tracer, edited):`` works too. ``model.edit(inplace=True)`` edits ``model`` itself; ``model.clear_edits()`` removes all edits.
     Edits run before the trace's own bodies, on the whole batch.
     """
 
@@ -419,17 +419,27 @@ class Editor(BodyContext):
 
     def __enter__(self):
         self._capture(sys._getframe(1))
+        # nnsight 0.8 binds `(tracer, edited)`: `as (tracer, edited)` unpacks the Envoy right
+        # after this returns, and its __iter__ then gives (this editor, the Envoy) once
+        self._target.__dict__["_unpacking"] = self
         return self._target
+
+    def __exit__(self, exc_type, exc, tb):
+        self._target.__dict__.pop("_unpacking", None)
+        return super().__exit__(exc_type, exc, tb)
 
     def _on_exit(self, frame):
         # The caller's variables the body reads, as the edit was written. Those that are the
         # edited model itself are kept as names only (bound at each trace): the model holding
-        # its own edit would be a reference cycle, freed only by the garbage collector.
+        # its own edit would be a reference cycle, freed only by the garbage collector (so is
+        # this editor, 0.8's `tracer`: dropped).
         target = self._target
         f_locals = frame.f_locals
         snapshot = {k: f_locals[k] for k in _names_read(self._body.code) if k in f_locals}
         selves = tuple(k for k, v in snapshot.items() if v is target)
         for k in selves:
+            del snapshot[k]
+        for k in [k for k, v in snapshot.items() if v is self]:
             del snapshot[k]
         edit = (self._body, snapshot, frame.f_globals, selves)
         target.__dict__["_edits"] = target._edits + (edit,)

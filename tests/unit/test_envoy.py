@@ -182,15 +182,42 @@ def test_an_envoy_is_truthy_like_its_module_list(net):
 def test_unpacking_a_model_that_is_no_container_says_what_to_write(seq, net):
     """``len()``/loops/unpacking work on container Envoys as on their modules (ground truth:
     the modules themselves); on another module they raise NotAContainerError (a TypeError)
-    saying so, with the nnsight 0.5-0.8 form of newer nnsight's ``model.edit()`` unpacking."""
+    saying so."""
     from nnsight_lite.errors import NotAContainerError
 
     model = NNsight(seq)
     assert len(model) == len(seq)
     assert [e._module for e in model] == list(seq)
     other = NNsight(net)
-    with pytest.raises(NotAContainerError, match=r"model\.edit\(\) as edited") as info:
-        with other.edit() as (tracer, edited):
-            pass
+    with pytest.raises(NotAContainerError, match="not a container of modules") as info:
+        first, second = other
     assert isinstance(info.value, TypeError)
-    assert not other._edits  # nothing half-made was kept
+
+
+@pytest.mark.parametrize("container", [True, False])
+def test_an_edit_unpacked_as_tracer_and_edited_works_as_in_nnsight_08(seq, net, container):
+    """nnsight 0.8's ``with model.edit() as (tracer, edited):`` binds the edited model (a
+    container model's too, not its children); a trace of it runs the edit (ground truth: a
+    plain forward with the first child's output zeroed by a hook), the model itself is left
+    unedited, and a later unpacking of the model is its ordinary one."""
+    module = seq if container else net
+    model = NNsight(module)
+    first = next(iter(module.children()))
+    name = next(iter(module._modules))
+    with model.edit() as (tracer, edited):
+        getattr(edited, name).output[:] = 0
+    x = torch.randn(2, first.in_features)
+    with edited.trace(x):
+        out = edited.output.save()
+    handle = first.register_forward_hook(lambda m, i, o: torch.zeros_like(o))
+    try:
+        expected = module(x)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(out, expected)
+    with model.trace(x):
+        plain = model.output.save()
+    torch.testing.assert_close(plain, module(x))
+    assert "_unpacking" not in edited.__dict__
+    if container:
+        assert [e._module for e in model] == list(seq)
