@@ -87,7 +87,7 @@ class Slot:
         self.module = module
         self.orig = None  # the forward the wrapper calls (set at every install)
         self.prev_forward = _UNSWAPPED  # the instance ``forward`` entry the wrapper replaced
-        self.entered = False  # whether the module's call entry (_entry) is installed now
+        self.entered = None  # the module's call entry (_entry) while it is installed
         self.parent = parent  # the Slot of the module that holds this one (None at the root)
         self.attr = attr  # this module's name in its parent
         self.live = live  # the plan's _Live: which trace runs now, and its serial
@@ -364,10 +364,11 @@ class Interleaver:
             slot.prev_forward = d.get("forward", _MISSING)
             slot.orig = module.forward
             d["forward"] = wrapper
-            slot.entered = (entries and entry is not None and _ENTRY not in d
-                            and type(module)._call_impl is _CALL_IMPL)
-            if slot.entered:
-                d[_ENTRY] = entry
+            if (entries and entry is not None and _ENTRY not in d
+                    and type(module)._call_impl is _CALL_IMPL):
+                d[_ENTRY] = slot.entered = entry
+            else:
+                slot.entered = None
         # the next trace can swap them all at once, unless a module has a forward (or a compiled
         # call) of its own
         own = any(s.prev_forward is not _MISSING or (entries and not s.entered)
@@ -425,9 +426,11 @@ class Interleaver:
                     else:
                         d["forward"] = prev
                     slot.prev_forward = _UNSWAPPED
-                if slot.entered:
-                    slot.module.__dict__.pop(_ENTRY, None)
-                    slot.entered = False
+                if slot.entered is not None:
+                    d = slot.module.__dict__
+                    if d.get(_ENTRY) is slot.entered:  # (not a compile a body made since)
+                        del d[_ENTRY]
+                    slot.entered = None
                 slot.wait_in.clear()
                 slot.wait_out.clear()
         plan = getattr(self, "_plan", None)
@@ -591,8 +594,13 @@ def _bulk_install(b: _Bulk) -> bool:
 
 def _bulk_uninstall(b: _Bulk) -> None:
     _drain(map(dict.pop, b.dicts, _FORWARD, repeat(None)))
-    if b.entries is not None:
-        _drain(map(dict.pop, b.dicts, _ENTRIES, repeat(None)))
+    entries = b.entries
+    if entries is not None:
+        popped = list(map(dict.pop, b.dicts, _ENTRIES, repeat(None)))
+        if popped != entries:  # a body compiled a module (module.compile()): it keeps that
+            for d, p, e in zip(b.dicts, popped, entries):
+                if p is not e and p is not None:
+                    d[_ENTRY] = p
     if any(b.waits):
         _drain(map(dict.clear, b.waits))
 

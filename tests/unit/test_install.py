@@ -271,3 +271,27 @@ class TestCallPaths:
                 assert mod.__dict__["_compiled_call_impl"] is doubled
         finally:
             del mod._compiled_call_impl
+
+    def test_a_compiled_call_a_body_sets_is_kept_after_the_trace(self):
+        """A body that compiles a module (``module.compile()`` sets the module's
+        ``_compiled_call_impl``) keeps it after the trace, on the first trace (module by
+        module) and on later ones (wrappers swapped all at once); the trace's own is gone."""
+        net = _stack()
+        mod = net[2]
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+
+        def mine(*args, **kwargs):  # stands in for torch.compile's
+            return mod._call_impl(*args, **kwargs)
+
+        try:
+            for _ in range(3):
+                with model.trace(x):
+                    h = model[1].output.save()
+                    mod._compiled_call_impl = mine
+                assert mod.__dict__["_compiled_call_impl"] is mine
+                assert torch.equal(h, torch.relu(net[0](x)))
+                del mod._compiled_call_impl
+                assert torch.equal(_trace_out(model, x, 2), net(x))
+        finally:
+            mod.__dict__.pop("_compiled_call_impl", None)
