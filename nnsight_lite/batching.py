@@ -32,7 +32,7 @@ def narrow(value: Any, start: int, size: int, total: int) -> Any:
     that ``view.grad`` in a backward body can answer with its rows of the base's gradient.
     """
     if isinstance(value, torch.Tensor):
-        if not value.dim() or value.shape[0] != total:  # (not batch-shaped: as it is)
+        if not _is_batch_tensor(value, total):
             return value
         view = value[start:start + size]  # a view, like narrow(), and cheaper to make
         view._nnsight_rows = (value, start, size)

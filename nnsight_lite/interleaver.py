@@ -349,7 +349,10 @@ class Interleaver:
         plan.live.serial = next(_serials)  # every slot's counters now read 0 (see Slot)
         self._plan = plan
         self.slots = plan.slots
-        if plan.bulk is not None and plan.flat[0][0] is self.root and not _jit_tracing():
+        # (torch.jit tracing calls modules its own way: the forward wrappers alone count then)
+        jit = _jit_tracing()
+        entries = _HAS_ENTRY and not jit
+        if plan.bulk is not None and plan.flat[0][0] is self.root and not jit:
             self._bulk = plan.bulk  # (set first: an interrupt after the swap still undoes it)
             if _bulk_install(plan.bulk):
                 return
@@ -358,7 +361,6 @@ class Interleaver:
         if flat is None or flat[0][0] is not self.root or not _same_tree(flat):
             flat = self._walk(plan)
         self.slots = plan.slots
-        entries = _HAS_ENTRY and not _jit_tracing()
         for module, slot, _, wrapper, entry in flat:
             d = module.__dict__
             slot.prev_forward = d.get("forward", _MISSING)
@@ -373,7 +375,7 @@ class Interleaver:
         # call) of its own
         own = any(s.prev_forward is not _MISSING or (entries and not s.entered)
                   for _, s, _, _, _ in flat)
-        plan.bulk = None if own or (_HAS_ENTRY and not entries) else _Bulk.of(flat)
+        plan.bulk = None if own or jit else _Bulk.of(flat)
 
     def _walk(self, plan: "_Plan") -> list:
         """Walk the module tree (pre-order, each module once): make or reuse each module's Slot

@@ -29,11 +29,7 @@ from .tracebacks import record_reshape
 from .workers import (
     _FINISHED,
     INFERENCE_BIT,
-    _any_autocast,
     _getcurrent,
-    _is_autocast,
-    _is_grad_enabled,
-    _is_inference,
     _note,
     _take_worker,
     job_ended,
@@ -271,9 +267,7 @@ class Mediator:
             raise
         if self.shared is not None:
             self.publish()
-        now = _is_grad_enabled() | (_is_inference() << 1)  # (workers.tls_state, in line)
-        if _any_autocast():
-            now |= (_is_autocast("cpu") << 2) | (_is_autocast("cuda") << 3)
+        now = tls_state()
         self.tls = now
         if now != parent_state:
             set_tls_state(parent_state, now)
