@@ -55,7 +55,10 @@ def save_in_body(obj):
     own = getattr(type(obj), "save", None)
     if own is not None and own is not _tensor_save:
         return obj.save()
-    return save(obj)
+    stack = getattr(_local, "saved", None)  # (save(obj), in line: a body's every .save())
+    if stack:
+        stack[-1][id(obj)] = obj
+    return obj
 
 
 def _tensor_save(self):
