@@ -291,7 +291,7 @@ class Tracer(BodyContext):
         with-statement's exit is handling the skipped body's ``SkipBody``, and Python would
         chain to it every error the model's code raises and catches (HF raises hundreds of
         AttributeErrors a generate step); in the worker no exception is being handled."""
-        worker = _take_worker()
+        worker = _take_worker(runner=True)
         worker.gr_context = contextvars.copy_context()
         switch_job(worker, lambda: inter.run(forward))
 

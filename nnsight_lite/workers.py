@@ -2,7 +2,8 @@
 locating the user's line.
 
     BodyGreenlet          a worker that runs bodies (invoke or backward), one job at a time
-    _take_worker()        an idle worker (or a new one), parented to the current greenlet
+    _take_worker()        an idle worker (or a new one), parented to the current greenlet;
+                          ``_take_worker(runner=True)`` one for a forward, started higher up
     _release_worker(w)    back to this thread's pool once its job has ended
     tls_state()           grad mode, inference mode, autocast: what greenlets do not carry
     set_tls_state(s, now) switch grad mode and autocast back to ``s``
@@ -47,6 +48,7 @@ class BodyGreenlet(greenlet.greenlet):
     """
 
     mediator: "Mediator | None" = None  # the invoke body it runs now
+    runner = False  # True: it runs models' forwards (Tracer._drive), kept in a pool of its own
     grads = None  # or the backward.Backward whose body it runs now
     error: "BaseException | None" = None
 
@@ -110,25 +112,54 @@ def _worker_main():
         job = me.parent.switch(_FINISHED)
 
 
-def _take_worker() -> BodyGreenlet:
-    idle = getattr(_pool, "idle", None)
+def _take_worker(runner: bool = False) -> BodyGreenlet:
+    """An idle worker parented to the current greenlet: a body worker, or with ``runner`` one
+    for running a model's forward (the two are started at different depths: see _new_worker)."""
+    idle = getattr(_pool, "runners" if runner else "idle", None)
     if idle:
         w = idle.pop()
         w.parent = _getcurrent()
         return w
-    return _new_worker()
+    return _new_worker(runner)
 
 
-def _new_worker() -> BodyGreenlet:
-    """A new worker, started by this thread's nursery (see _nursery_main)."""
-    nursery = getattr(_pool, "nursery", None)
+def _new_worker(runner: bool = False) -> BodyGreenlet:
+    """A new worker, started by one of this thread's two nurseries (see _nursery_main).
+
+    Body workers start ``_DESCENT`` below the nursery that runners start in. A switch copies
+    aside the part of the running greenlet's stack that lies where the greenlet switched to
+    will run: a body started level with the forward's runner would have the whole depth of
+    the forward (tens of KiB in an HF model, several times a serve) copied out and back at
+    every value served. Started below it, only the body's own few KiB move."""
+    name = "runner_nursery" if runner else "nursery"
+    nursery = getattr(_pool, name, None)
     if nursery is None or nursery.dead:
-        nursery = _pool.nursery = greenlet.greenlet(_nursery_main)
+        nursery = greenlet.greenlet(_nursery_main if runner else _below(_nursery_main))
+        setattr(_pool, name, nursery)
     here = _getcurrent()
     nursery.parent = here  # (where the nursery hands the worker back)
     w = nursery.switch()
     w.parent = here
+    w.runner = runner
     return w
+
+
+#: native frames the body nursery goes down before it starts workers: ``itertools.chain``
+#: frames of ~32 bytes, some 128 KiB in all (deeper than a forward's stack in the models tried:
+#: tiny GPT-2 ~10 KiB below its runner's start); made once per thread, in ~1 ms
+_DESCENT = 4096
+
+
+def _below(fn):
+    """``fn`` run ``_DESCENT`` native frames below where its greenlet starts (see padded)."""
+
+    def entry():
+        it = starmap(fn, ((),))
+        for _ in range(_DESCENT):
+            it = chain(it)
+        next(it, None)
+
+    return entry
 
 
 def _nursery_main() -> None:
@@ -157,9 +188,11 @@ def _nursery_main() -> None:
 def _release_worker(w: BodyGreenlet) -> None:
     w.mediator = None
     w.grads = None
-    idle = getattr(_pool, "idle", None)
+    name = "runners" if w.runner else "idle"
+    idle = getattr(_pool, name, None)
     if idle is None:
-        idle = _pool.idle = []
+        idle = []
+        setattr(_pool, name, idle)
     if len(idle) < _POOL_MAX:
         idle.append(w)
 
