@@ -146,16 +146,39 @@ def _new_worker(runner: bool = False) -> BodyGreenlet:
 
 #: native frames the body nursery goes down before it starts workers: ``itertools.chain``
 #: frames of ~32 bytes, some 128 KiB in all (deeper than a forward's stack in the models tried:
-#: tiny GPT-2 ~10 KiB below its runner's start); made once per thread, in ~1 ms
+#: tiny GPT-2 ~10 KiB below its runner's start); made once per thread, in ~1 ms. A thread with
+#: a small stack goes down an eighth of it at most (see _descent).
 _DESCENT = 4096
+_FRAME_BYTES = 32
+
+
+def _descent() -> int:
+    """How many frames _below goes down in this thread: ``_DESCENT``, or fewer where the
+    thread's stack is known to be small (``threading.stack_size(n)`` set for new threads, or
+    the main thread's ``ulimit -s``), so that bodies keep nearly all of it."""
+    size = 0
+    if threading.current_thread() is not threading.main_thread():
+        size = threading.stack_size()
+    else:
+        try:
+            import resource  # (not on Windows)
+
+            size = resource.getrlimit(resource.RLIMIT_STACK)[0]
+            if size == resource.RLIM_INFINITY:
+                size = 0
+        except (ImportError, OSError, ValueError):
+            pass
+    if size <= 0:
+        return _DESCENT
+    return min(_DESCENT, size // 8 // _FRAME_BYTES)
 
 
 def _below(fn):
-    """``fn`` run ``_DESCENT`` native frames below where its greenlet starts (see padded)."""
+    """``fn`` run some frames below where its greenlet starts (see padded and _descent)."""
 
     def entry():
         it = starmap(fn, ((),))
-        for _ in range(_DESCENT):
+        for _ in range(_descent()):
             it = chain(it)
         next(it, None)
 

@@ -534,3 +534,37 @@ class TestMembersSetInOneInvoke:
                 whole = model.output["logits"].save()
         torch.testing.assert_close(whole[:2], torch.ones(2, 2))
         torch.testing.assert_close(whole[2:], net(x1)["logits"])
+
+
+@pytest.mark.parametrize("stack_kib", [128, 256])
+def test_a_thread_with_a_small_stack_runs_traces(seq, stack_kib):
+    """Body workers start some way below the forward's runner (workers._below); in a thread
+    whose stack was made small (``threading.stack_size``) they go down only a part of it, so
+    traces there still run (too far down would crash the process, not raise). Values match a
+    plain forward."""
+    import threading
+
+    model = NNsight(seq)
+    x = torch.randn(3, 6)
+    got = {}
+
+    def run():
+        for _ in range(3):  # (later traces take pooled workers)
+            with model.trace() as tracer:
+                for i in range(3):
+                    with tracer.invoke(x[i:i + 1]):
+                        h = model[0].output.save()
+                        out = model.output.save()
+                        got[i] = (h, out)
+
+    old = threading.stack_size(stack_kib * 1024)
+    try:
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+    finally:
+        threading.stack_size(old)
+    assert sorted(got) == [0, 1, 2]
+    h_all, out_all = seq[0](x), seq(x)  # (the invokes ran as one batch of 3)
+    for i, (h, out) in got.items():
+        assert torch.equal(h, h_all[i:i + 1]) and torch.equal(out, out_all[i:i + 1])
