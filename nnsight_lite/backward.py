@@ -34,6 +34,7 @@ from .mediator import _DONE
 from .workers import (
     _FINISHED,
     _getcurrent,
+    GRADS,
     _take_worker,
     attached,
     set_tls_state,
@@ -222,7 +223,7 @@ class Backward(BodyContext):
             )
         code = self._body.code
         self._runner = _getcurrent()
-        g = _take_worker()
+        g = _take_worker(GRADS)
         g.grads = self
         g.gr_context = contextvars.copy_context()
         self._greenlet = g

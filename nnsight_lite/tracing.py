@@ -30,7 +30,7 @@ from .mediator import (
     wait_for_name,
 )
 from .remote.hook import take_backend
-from .workers import _getcurrent, _take_worker, switch_job, user_location
+from .workers import RUNNER, _getcurrent, _take_worker, switch_job, user_location
 
 _CPU = torch.device("cpu")
 
@@ -291,7 +291,7 @@ class Tracer(BodyContext):
         with-statement's exit is handling the skipped body's ``SkipBody``, and Python would
         chain to it every error the model's code raises and catches (HF raises hundreds of
         AttributeErrors a generate step); in the worker no exception is being handled."""
-        worker = _take_worker(runner=True)
+        worker = _take_worker(RUNNER)
         worker.gr_context = contextvars.copy_context()
         switch_job(worker, lambda: inter.run(forward))
 

@@ -2,8 +2,9 @@
 locating the user's line.
 
     BodyGreenlet          a worker that runs bodies (invoke or backward), one job at a time
-    _take_worker()        an idle worker (or a new one), parented to the current greenlet;
-                          ``_take_worker(runner=True)`` one for a forward, started higher up
+    _take_worker(level)   an idle worker (or a new one), parented to the current greenlet:
+                          RUNNER for a forward, BODY for an invoke body, GRADS for a
+                          backward body, each started further down the native stack
     _release_worker(w)    back to this thread's pool once its job has ended
     tls_state()           grad mode, inference mode, autocast: what greenlets do not carry
     set_tls_state(s, now) switch grad mode and autocast back to ``s``
@@ -48,7 +49,7 @@ class BodyGreenlet(greenlet.greenlet):
     """
 
     mediator: "Mediator | None" = None  # the invoke body it runs now
-    runner = False  # True: it runs models' forwards (Tracer._drive), kept in a pool of its own
+    level = 1  # RUNNER, BODY or GRADS: what it runs, and which nursery and pool it belongs to
     grads = None  # or the backward.Backward whose body it runs now
     error: "BaseException | None" = None
 
@@ -112,36 +113,63 @@ def _worker_main():
         job = me.parent.switch(_FINISHED)
 
 
-def _take_worker(runner: bool = False) -> BodyGreenlet:
-    """An idle worker parented to the current greenlet: a body worker, or with ``runner`` one
-    for running a model's forward (the two are started at different depths: see _new_worker)."""
-    idle = getattr(_pool, "runners" if runner else "idle", None)
+#: worker levels: what a worker runs, and how far down the native stack it starts
+RUNNER, BODY, GRADS = 0, 1, 2
+_NURSERY_NAMES = ("runner_nursery", "nursery", "grads_nursery")
+_POOL_NAMES = ("runners", "idle", "grads_idle")
+
+
+def _take_worker(level: int = BODY) -> BodyGreenlet:
+    """An idle worker parented to the current greenlet: one for a model's forward (RUNNER), an
+    invoke body (BODY) or a backward body (GRADS), each level started further down the native
+    stack than the one before (see _new_worker)."""
+    idle = getattr(_pool, _POOL_NAMES[level], None)
     if idle:
         w = idle.pop()
         w.parent = _getcurrent()
         return w
-    return _new_worker(runner)
+    return _new_worker(level)
 
 
-def _new_worker(runner: bool = False) -> BodyGreenlet:
-    """A new worker, started by one of this thread's two nurseries (see _nursery_main).
-
-    Body workers start ``_DESCENT`` below the nursery that runners start in. A switch copies
-    aside the part of the running greenlet's stack that lies where the greenlet switched to
-    will run: a body started level with the forward's runner would have the whole depth of
-    the forward (tens of KiB in an HF model, several times a serve) copied out and back at
-    every value served. Started below it, only the body's own few KiB move."""
-    name = "runner_nursery" if runner else "nursery"
-    nursery = getattr(_pool, name, None)
-    if nursery is None or nursery.dead:
-        nursery = greenlet.greenlet(_nursery_main if runner else _below(_nursery_main))
-        setattr(_pool, name, nursery)
+def _new_worker(level: int = BODY) -> BodyGreenlet:
+    """A new worker for ``level``, started by this thread's nursery for it (see _nursery)."""
+    nursery = _nursery(level)
     here = _getcurrent()
     nursery.parent = here  # (where the nursery hands the worker back)
     w = nursery.switch()
     w.parent = here
-    w.runner = runner
+    w.level = level
     return w
+
+
+def _nursery(level: int) -> greenlet.greenlet:
+    """This thread's nursery for ``level``, started the first time it is needed.
+
+    The runners' nursery starts where a forward first needs one; the bodies' ``_DESCENT``
+    below the point where a body first needs one; the backward bodies' ``_DESCENT`` below the
+    bodies'. A switch copies aside the part of the running greenlet's stack that lies where
+    the greenlet switched to will run: a body started level with the forward's runner would
+    have the whole depth of the forward (tens of KiB in an HF model, several times a serve)
+    copied out and back at every value served. Started below it, only the body's own few KiB
+    move. The same holds one level down: a backward body is switched into from gradient hooks
+    that fire inside autograd's engine, which runs in an invoke body (or, standalone, wherever
+    the user is, above the bodies)."""
+    name = _NURSERY_NAMES[level]
+    nursery = getattr(_pool, name, None)
+    if nursery is None or nursery.dead:
+        here = _getcurrent()
+        if level == GRADS:  # started by the bodies' nursery, from its depth
+            bodies = _nursery(BODY)
+            bodies.parent = here
+            nursery = bodies.switch(_NEXT_LEVEL)
+        else:
+            nursery = greenlet.greenlet(_below(_nursery_main) if level else _nursery_main)
+            nursery.switch()  # (it waits for its first request)
+        setattr(_pool, name, nursery)
+    return nursery
+
+
+_NEXT_LEVEL = object()  # a request to a nursery: start the next level's nursery, from here
 
 
 #: native frames the body nursery goes down before it starts workers: ``itertools.chain``
@@ -154,23 +182,50 @@ _FRAME_BYTES = 32
 
 def _descent() -> int:
     """How many frames _below goes down in this thread: ``_DESCENT``, or fewer where the
-    thread's stack is known to be small (``threading.stack_size(n)`` set for new threads, or
-    the main thread's ``ulimit -s``), so that bodies keep nearly all of it."""
-    size = 0
-    if threading.current_thread() is not threading.main_thread():
-        size = threading.stack_size()
-    else:
+    thread's stack is small (a thread made after ``threading.stack_size(n)``, a main thread
+    under a small ``ulimit -s``), so that bodies keep nearly all of it. Found once per thread."""
+    frames = getattr(_pool, "descent", None)
+    if frames is None:
+        size = _stack_bytes()
+        frames = _DESCENT if size <= 0 else min(_DESCENT, size // 8 // _FRAME_BYTES)
+        _pool.descent = frames
+    return frames
+
+
+def _stack_bytes() -> int:
+    """The size of the running thread's native stack, or 0 where it cannot be told."""
+    if threading.current_thread() is threading.main_thread():
         try:
             import resource  # (not on Windows)
 
             size = resource.getrlimit(resource.RLIMIT_STACK)[0]
-            if size == resource.RLIM_INFINITY:
-                size = 0
+            return 0 if size == resource.RLIM_INFINITY else size
         except (ImportError, OSError, ValueError):
-            pass
-    if size <= 0:
-        return _DESCENT
-    return min(_DESCENT, size // 8 // _FRAME_BYTES)
+            return 0
+    try:  # the thread's own stack, as the C library made it
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.pthread_self.restype = ctypes.c_void_p
+        me = ctypes.c_void_p(libc.pthread_self())
+        if sys.platform == "darwin":
+            libc.pthread_get_stacksize_np.restype = ctypes.c_size_t
+            return libc.pthread_get_stacksize_np(me)
+        attr = ctypes.create_string_buffer(256)  # (a pthread_attr_t: 56 or 64 bytes)
+        if libc.pthread_getattr_np(me, attr) != 0:
+            raise OSError
+        size = ctypes.c_size_t(0)
+        try:
+            libc.pthread_attr_getstacksize(attr, ctypes.byref(size))
+        finally:
+            libc.pthread_attr_destroy(attr)
+        return size.value
+    except (ImportError, OSError, AttributeError):
+        # the size new threads get: a guess for this one. (threading.stack_size() with no
+        # argument also resets it to the default, so it is put back.)
+        size = threading.stack_size()
+        threading.stack_size(size)
+        return size
 
 
 def _below(fn):
@@ -198,20 +253,25 @@ def _nursery_main() -> None:
 
     A greenlet also holds the arguments of its first switch for as long as its first function
     runs, which for a pooled worker is for good: so a worker is started with none, and waits
-    for its jobs like any pooled worker (_worker_main)."""
+    for its jobs like any pooled worker (_worker_main); so is a nursery."""
     me = _getcurrent()
+    req = me.parent.switch()
     while True:
-        w = BodyGreenlet(padded(_worker_main), me)
-        w.switch()
-        _workers.add(w)
-        me.parent.switch(w)
-        w = None
+        if req is _NEXT_LEVEL:
+            made = greenlet.greenlet(_below(_nursery_main), me)
+            made.switch()
+        else:
+            made = BodyGreenlet(padded(_worker_main), me)
+            made.switch()
+            _workers.add(made)
+        req = me.parent.switch(made)
+        made = None
 
 
 def _release_worker(w: BodyGreenlet) -> None:
     w.mediator = None
     w.grads = None
-    name = "runners" if w.runner else "idle"
+    name = _POOL_NAMES[w.level]
     idle = getattr(_pool, name, None)
     if idle is None:
         idle = []

@@ -540,8 +540,8 @@ class TestMembersSetInOneInvoke:
 def test_a_thread_with_a_small_stack_runs_traces(seq, stack_kib):
     """Body workers start some way below the forward's runner (workers._below); in a thread
     whose stack was made small (``threading.stack_size``) they go down only a part of it, so
-    traces there still run (too far down would crash the process, not raise). Values match a
-    plain forward."""
+    traces there still run (too far down would crash the process, not raise); so do backward
+    bodies, which start further down still. Values match a plain forward and backward."""
     import threading
 
     model = NNsight(seq)
@@ -555,16 +555,28 @@ def test_a_thread_with_a_small_stack_runs_traces(seq, stack_kib):
                     with tracer.invoke(x[i:i + 1]):
                         h = model[0].output.save()
                         out = model.output.save()
-                        got[i] = (h, out)
+                        with out.sum().backward(retain_graph=True):  # (one graph: a batch)
+                            g = h.grad.save()
+                        got[i] = (h, out, g)
+            with out.sum().backward():  # standalone, on a saved tensor
+                got["standalone"] = h.grad.save()
 
     old = threading.stack_size(stack_kib * 1024)
     try:
         t = threading.Thread(target=run)
         t.start()
         t.join()
+        # (reading it with threading.stack_size() would have reset it to the default)
+        assert threading.stack_size(old) == stack_kib * 1024, "the setting was changed"
     finally:
         threading.stack_size(old)
+    standalone = got.pop("standalone")
     assert sorted(got) == [0, 1, 2]
-    h_all, out_all = seq[0](x), seq(x)  # (the invokes ran as one batch of 3)
-    for i, (h, out) in got.items():
+    h_all = seq[0](x)  # (the invokes ran as one batch of 3)
+    h_all.retain_grad()
+    out_all = seq[1:](h_all)
+    out_all.sum().backward()
+    for i, (h, out, g) in got.items():
         assert torch.equal(h, h_all[i:i + 1]) and torch.equal(out, out_all[i:i + 1])
+        assert torch.allclose(g, h_all.grad[i:i + 1])
+    assert torch.allclose(standalone, h_all.grad[2:3])

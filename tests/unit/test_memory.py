@@ -158,15 +158,16 @@ def test_traces_free_everything_without_the_garbage_collector(seq):
 
 @pytest.mark.parametrize("invokes", [1, 2])
 def test_a_model_traced_by_new_workers_is_freed(invokes):
-    """A trace run while no pooled worker greenlet is idle makes new ones (for its forward
-    and its bodies); they stay pooled for later traces but must hold nothing of this one:
-    the model, its inputs and the activations it made go when the user drops them."""
+    """A trace run while no pooled worker greenlet is idle makes new ones (for its forward,
+    its bodies and a backward body); they stay pooled for later traces but must hold nothing
+    of this one: the model, its inputs and the activations it made go when the user drops
+    them."""
     from nnsight_lite import workers
 
     net = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 6))
     x = torch.randn(2, 6)
     refs = [weakref.ref(net), weakref.ref(net[0]), weakref.ref(x)]
-    pools = [getattr(workers._pool, name, None) for name in ("idle", "runners")]
+    pools = [getattr(workers._pool, name, None) for name in workers._POOL_NAMES]
     pools = [p for p in pools if p is not None]
     pooled = [list(p) for p in pools]
     for p in pools:  # (so this trace has to make its workers: bodies' and the forward's)
@@ -179,9 +180,13 @@ def test_a_model_traced_by_new_workers_is_freed(invokes):
                     h = model[0].output
                     refs.append(weakref.ref(h))
                     out = model.output.save()
+                    with out.sum().backward(retain_graph=True):  # (one batch, one graph)
+                        g = h.grad.save()
+                        refs.append(weakref.ref(g))
         assert len(workers._pool.idle) >= invokes  # the new workers
         assert len(workers._pool.runners) >= 1
-        del model, tracer, net, x, out
+        assert len(workers._pool.grads_idle) >= 1
+        del model, tracer, net, x, out, g
         gc.collect()
         assert [r() is None for r in refs] == [True] * len(refs)
     finally:
