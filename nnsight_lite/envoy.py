@@ -317,6 +317,9 @@ class Envoy:
         )
 
     def __setattr__(self, name: str, value) -> None:
+        if name == "output" and self.__class__ is Envoy:  # (the setter below, in line: common)
+            current_mediator(self, "output").set(self, OUTPUT, value)
+            return
         if name in Envoy._OWN or name.startswith("_"):
             object.__setattr__(self, name, value)
             return

@@ -16,6 +16,8 @@ import contextvars
 import threading
 from typing import TYPE_CHECKING
 
+import torch
+
 from . import batching
 from .errors import (
     InferenceModeSwitchError,
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from .interleaver import Interleaver
 
 OUTPUT = "output"
+_Tensor = torch.Tensor
 INPUT = "input"
 _DONE = object()
 _CONTAINERS = (dict, list)  # narrowed values whose members a body may set (see serve)
@@ -349,9 +352,17 @@ class Mediator:
 
     def set(self, envoy, kind, value) -> None:
         """Replace ``envoy``'s ``kind`` at this body's current call with ``value``."""
-        old = self.get(envoy, kind)
-        if value is not old:  # one of another shape is noted on an error it leads to
-            record_reshape(self, envoy, kind, old, value)
+        cur = self.cur_key  # (get's first answer, in line: a set mostly follows the read)
+        if (cur is not None and cur[1] is kind
+                and cur[0] is self.interleaver.slots.get(id(envoy._module))
+                and cur[2] == ((self.iteration if self.iter_depth else 0)
+                               + self.offsets.get(cur[0], 0))):
+            old = self.cur_value
+        else:
+            old = self.get(envoy, kind)
+        if value is not old and (value.__class__ is not _Tensor or old.__class__ is not _Tensor
+                                 or value.shape != old.shape):
+            record_reshape(self, envoy, kind, old, value)  # noted on an error it may lead to
         self.cur_value = value
         self.replaced = True
 
