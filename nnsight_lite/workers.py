@@ -220,7 +220,7 @@ def _stack_bytes() -> int:
         finally:
             libc.pthread_attr_destroy(attr)
         return size.value
-    except (ImportError, OSError, AttributeError):
+    except (ImportError, OSError, AttributeError, TypeError, ValueError):  # (Windows: no libc)
         # the size new threads get: a guess for this one. (threading.stack_size() with no
         # argument also resets it to the default, so it is put back.)
         size = threading.stack_size()

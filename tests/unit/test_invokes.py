@@ -580,3 +580,34 @@ def test_a_thread_with_a_small_stack_runs_traces(seq, stack_kib):
         assert torch.equal(h, h_all[i:i + 1]) and torch.equal(out, out_all[i:i + 1])
         assert torch.allclose(g, h_all.grad[i:i + 1])
     assert torch.allclose(standalone, h_all.grad[2:3])
+
+
+@pytest.mark.parametrize("libc", [True, False])
+def test_the_stack_size_is_read_from_the_thread_and_left_as_set(monkeypatch, libc):
+    """The body nurseries' descent is sized from the running thread's own stack (the C
+    library's record of it; without one, the size set for new threads). Reading it must not
+    change the size later threads get."""
+    import ctypes
+    import threading
+
+    from nnsight_lite import workers
+
+    if not libc:  # (as on a platform without pthread_getattr_np)
+        def no_libc(*args, **kwargs):
+            raise OSError("no C library here")
+
+        monkeypatch.setattr(ctypes, "CDLL", no_libc)
+    seen = {}
+
+    def run():
+        seen["size"] = workers._stack_bytes()
+
+    old = threading.stack_size(384 * 1024)
+    try:
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        assert threading.stack_size(old) == 384 * 1024
+    finally:
+        threading.stack_size(old)
+    assert seen["size"] == 384 * 1024
