@@ -35,3 +35,17 @@ def test_instruction_count_cases_run_between_their_markers():
                           cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["case", "linear/plain", "case", "linear/lib.save_last"]
+
+
+def test_forward_on_greenlets_runs_and_checks_the_results():
+    """`benchmarks/on_greenlet.py` runs the plain forward on main, on bare greenlets and on
+    nnsight_lite's runner worker, checks the results equal before timing, and prints a row
+    for each way and the group's one-read trace."""
+    proc = subprocess.run([sys.executable, "benchmarks/on_greenlet.py", "--only", "linear",
+                           "--rounds", "2", "--inner", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| linear |")]
+    ways = [r.split("|")[2].strip() for r in rows]
+    assert ways == ["main", "greenlet", "greenlet 128 KiB down", "nnsight_lite runner",
+                    "trace: lib.save_last"], proc.stdout
