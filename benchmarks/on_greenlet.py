@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from itertools import chain, starmap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -40,22 +39,12 @@ def _looping(fn):
     return main
 
 
-def _below(fn, frames: int):
-    def entry():
-        it = starmap(fn, ((),))
-        for _ in range(frames):
-            it = chain(it)
-        next(it, None)
-
-    return entry
-
-
 def ways(plain) -> dict:
     """The plain forward as zero-argument callables: on main, on greenlets, on a runner."""
     from nnsight_lite import workers
 
     level = greenlet.greenlet(_looping(plain))
-    deep = greenlet.greenlet(_below(_looping(plain), 4096))  # (32-byte frames: 128 KiB)
+    deep = greenlet.greenlet(workers._below(_looping(plain)))  # (the bodies' descent: 128 KiB)
     box = []
 
     def job():

@@ -40,8 +40,15 @@ _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 _set_autocast = torch.set_autocast_enabled
 
 
+#: worker levels: what a worker runs, and how far down the native stack it starts
+RUNNER, BODY, GRADS = 0, 1, 2
+_NURSERY_NAMES = ("runner_nursery", "nursery", "grads_nursery")
+_POOL_NAMES = ("runners", "idle", "grads_idle")
+
+
 class BodyGreenlet(greenlet.greenlet):
-    """A worker greenlet that runs invoke bodies, one job at a time.
+    """A worker greenlet that runs a model's forward, an invoke body or a backward body (its
+    ``level``), one job at a time.
 
     ``mediator`` links it to the body it runs now (None while idle in the pool). Workers are
     reused across traces: handing a job to a waiting worker costs a switch, creating a greenlet
@@ -49,7 +56,7 @@ class BodyGreenlet(greenlet.greenlet):
     """
 
     mediator: "Mediator | None" = None  # the invoke body it runs now
-    level = 1  # RUNNER, BODY or GRADS: what it runs, and which nursery and pool it belongs to
+    level = BODY  # RUNNER, BODY or GRADS: what it runs, and which nursery and pool it belongs to
     grads = None  # or the backward.Backward whose body it runs now
     error: "BaseException | None" = None
 
@@ -113,16 +120,10 @@ def _worker_main():
         job = me.parent.switch(_FINISHED)
 
 
-#: worker levels: what a worker runs, and how far down the native stack it starts
-RUNNER, BODY, GRADS = 0, 1, 2
-_NURSERY_NAMES = ("runner_nursery", "nursery", "grads_nursery")
-_POOL_NAMES = ("runners", "idle", "grads_idle")
-
-
 def _take_worker(level: int = BODY) -> BodyGreenlet:
     """An idle worker parented to the current greenlet: one for a model's forward (RUNNER), an
     invoke body (BODY) or a backward body (GRADS), each level started further down the native
-    stack than the one before (see _new_worker)."""
+    stack than the one before (see _nursery)."""
     idle = getattr(_pool, _POOL_NAMES[level], None)
     if idle:
         w = idle.pop()
@@ -172,7 +173,8 @@ def _nursery(level: int) -> greenlet.greenlet:
 _NEXT_LEVEL = object()  # a request to a nursery: start the next level's nursery, from here
 
 
-#: native frames the body nursery goes down before it starts workers: ``itertools.chain``
+#: native frames a nursery goes down (the bodies' below where first needed, the backward
+#: bodies' below the bodies') before it starts workers: ``itertools.chain``
 #: frames of ~32 bytes, some 128 KiB in all (deeper than a forward's stack in the models tried:
 #: tiny GPT-2 ~10 KiB below its runner's start); made once per thread, in ~1 ms. A thread with
 #: a small stack goes down an eighth of it at most (see _descent).
