@@ -108,7 +108,8 @@ class Envoy:
         d["_path"] = path  # as the user reached it: model.layers[0].mlp
         d["_mpath"] = mpath  # its named_modules() path: layers.0.mlp
         d["_tree"] = tree if tree is not None else _EMPTY_TREE
-        d["_items"] = {}
+        d["_items"] = {}  # envoy[key] -> (child Envoy, its name, the container's length)
+        d["_subs"] = {}  # child name -> its Envoy (checked against the module at every use)
 
     # ---- values
 
@@ -212,18 +213,25 @@ class Envoy:
     # ---- the module tree
 
     def __getattr__(self, name: str):
+        # Child Envoys are not kept as instance attributes, where a read would skip this and
+        # give the Envoy of a module replaced since (``net.mlp = MyMLP()``): every read
+        # checks that the module there is still the one the cached Envoy holds.
         d = self.__dict__
-        if "_module" not in d:
-            raise AttributeError(name)
-        module = d["_module"]
-        if module._modules.get(name) is not None:
+        try:
+            module = d["_module"]
+        except KeyError:  # (an Envoy being unpickled has no state yet)
+            raise AttributeError(name) from None
+        sub = module._modules.get(name)
+        if sub is not None:
+            env = d["_subs"].get(name)
+            if env is not None and env._module is sub:
+                return env
             return self._sub(name)
         rel = d["_tree"].alias(d["_mpath"], name) if d["_tree"].aliases else None
         if rel is not None:  # a rename= alias: the very Envoy its real path gives
             env = self
             for part in rel:
                 env = env._sub(part)
-            d[name] = env
             return env
         try:
             value = getattr(module, name)
@@ -241,14 +249,15 @@ class Envoy:
         ``envoy[0]``, ``getattr(envoy, "0")`` and aliases all give this one Envoy."""
         d = self.__dict__
         sub = d["_module"]._modules.get(name)
-        env = d.get(name)
-        if isinstance(env, Envoy) and env._module is sub:
+        subs = d["_subs"]
+        env = subs.get(name)
+        if env is not None and env._module is sub:
             return env
         if sub is None:
             raise self._no_such(name)
         if path is None:
             path = f"{d['_path']}[{name}]" if name.isdigit() else f"{d['_path']}.{name}"
-        env = d[name] = self._child(sub, name, path)
+        env = subs[name] = self._child(sub, name, path)
         return env
 
     def _child(self, sub: torch.nn.Module, name: str, path: str) -> "Envoy":
@@ -324,7 +333,6 @@ class Envoy:
             object.__setattr__(self, name, value)
             return
         setattr(self._module, name, value)
-        self.__dict__.pop(name, None)
 
     def __getitem__(self, key):
         items = self._items
@@ -412,6 +420,7 @@ class Envoy:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("_subs", {})
 
 
 

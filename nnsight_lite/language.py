@@ -537,12 +537,11 @@ def _rebind(envoy: Envoy, module: torch.nn.Module) -> None:
     """
     d = envoy.__dict__
     d["_module"] = module
-    for name, child in list(d.items()):
-        if name.startswith("_") or not isinstance(child, Envoy):
-            continue
+    subs = d.get("_subs", {})
+    for name, child in list(subs.items()):
         sub = module._modules.get(name)
         if sub is None:
-            del d[name]
+            del subs[name]
         else:
             _rebind(child, sub)
     # The index cache (``envoy[i]``) holds the child Envoy, alone or first in a tuple.

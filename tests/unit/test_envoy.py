@@ -66,6 +66,33 @@ class TestTree:
         assert net.head is new
         assert model.head._module is new
 
+    def test_a_child_replaced_on_the_module_is_the_one_reached(self, net, x8):
+        """``net.inp = new`` on the torch module (not through the Envoy), after the Envoy of
+        the old child was reached: ``model.inp`` (and a ``rename=`` alias of it) is the new
+        module's Envoy, and a trace reads the new module's output (ground truth: a hook)."""
+        model = NNsight(net, rename={"inp": "first"})
+        old = model.inp
+        assert model.first is old
+        with model.trace(x8):
+            model.inp.output.save()
+        new = torch.nn.Linear(8, 8)
+        net.inp = new
+        assert model.inp._module is new and model.first._module is new
+        assert model.inp.weight is new.weight
+        seen = []
+        h = new.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+        try:
+            net(x8)
+        finally:
+            h.remove()
+        with model.trace(x8):
+            a = model.inp.output.save()
+            b = model.first.output.save()
+        assert torch.equal(a, seen[0]) and torch.equal(b, seen[0])
+        del net.inp
+        with pytest.raises(ModulePathError, match="no submodule or attribute 'inp'"):
+            model.inp
+
     def test_print_shows_module_tree(self, net):
         assert repr(NNsight(net)) == repr(net)
 
