@@ -27,6 +27,10 @@ class Group:
     inner: int = 20
     warmup: int = 20
     runner: "Callable | None" = None  # a custom measurement (cold start, memory) instead
+    # the modules the group's read cases read, for benchmarks/on_greenlet.py: {"run": the plain
+    # forward, "one": [the one-read case's module], "all": [the all-reads case's modules],
+    # "cases": (the hooks' and the library's one-read and all-reads case keys)}
+    reads: "dict | None" = None
 
 
 def measure(cases: dict, rounds: int, inner: int, warmup: int = 20) -> dict:

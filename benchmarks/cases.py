@@ -109,7 +109,9 @@ def linear_stack(lib, scale: int = 1) -> Group:
     checks = [(f"lib.{n}", f"hooks.{n}")
               for n in ("save_last", "save_all", "edit_all", "replace_all")]
     checks.append(("lib.empty", "plain"))
-    return Group("linear", cases, checks, rounds=30, inner=40, warmup=50)
+    reads = {"run": plain, "one": layers[-1:], "all": layers,
+             "cases": ("hooks.save_last", "hooks.save_all", "lib.save_last", "lib.save_all")}
+    return Group("linear", cases, checks, rounds=30, inner=40, warmup=50, reads=reads)
 
 
 # --------------------------------------------------------------------------- rows 2 and 3
@@ -212,7 +214,9 @@ def gpt2(lib, scale: int = 1) -> Group:
         cases[f"lib.nn_invokes_{n}"] = lambda n=n: lib_invokes(n, bare)
         checks.append((f"lib.invokes_{n}", f"hooks.invokes_{n}"))
         checks.append((f"lib.nn_invokes_{n}", f"hooks.invokes_{n}"))
-    return Group("gpt2", cases, checks, rounds=20, inner=10, warmup=10)
+    reads = {"run": plain, "one": blocks[5:6], "all": blocks,
+             "cases": ("hooks.save_one", "hooks.save_all", "lib.save_one", "lib.save_all")}
+    return Group("gpt2", cases, checks, rounds=20, inner=10, warmup=10, reads=reads)
 
 
 def grads(lib, scale: int = 1) -> Group:

@@ -40,12 +40,19 @@ def test_instruction_count_cases_run_between_their_markers():
 def test_forward_on_greenlets_runs_and_checks_the_results():
     """`benchmarks/on_greenlet.py` runs the plain forward on main, on bare greenlets and on
     nnsight_lite's runner worker, checks the results equal before timing, and prints a row
-    for each way and the group's one-read trace."""
+    for each way and the group's one-read trace; then, after checking that the bare greenlet
+    design reads the same tensors as the hooks, a row of per-read costs and switch times."""
     proc = subprocess.run([sys.executable, "benchmarks/on_greenlet.py", "--only", "linear",
                            "--rounds", "2", "--inner", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| linear |")]
+    forwards, reads = proc.stdout.split("\n\n")
+    rows = [line for line in forwards.splitlines() if line.startswith("| linear |")]
     ways = [r.split("|")[2].strip() for r in rows]
     assert ways == ["main", "greenlet", "greenlet 128 KiB down", "nnsight_lite runner",
                     "trace: lib.save_last"], proc.stdout
+    rows = [line.split("|")[2:-1] for line in reads.splitlines()
+            if line.startswith("| linear |")]
+    assert len(rows) == 1 and len(rows[0]) == 4, proc.stdout
+    hot, cold = rows[0][3].split("/")
+    assert float(hot) > 0 and float(cold) > 0, proc.stdout
