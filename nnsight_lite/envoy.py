@@ -336,7 +336,10 @@ class Envoy:
 
     def __getitem__(self, key):
         items = self._items
-        hit = items.get(key) if not isinstance(key, slice) else None
+        try:
+            hit = items.get(key)  # (slices are never kept there)
+        except TypeError:  # an unhashable key: a slice before Python 3.12
+            hit = None
         if hit is not None:  # still the same module at that position?
             env, name, length = hit
             children = self._module._modules

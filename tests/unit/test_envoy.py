@@ -66,6 +66,19 @@ class TestTree:
         assert net.head is new
         assert model.head._module is new
 
+    @pytest.mark.parametrize("key, error", [(3, IndexError), (-4, IndexError),
+                                            ([0, 1], TypeError), ("x", TypeError)])
+    def test_a_bad_index_names_the_envoy_and_the_container(self, net, key, error):
+        """A bad index on a ModuleList Envoy raises torch's own error type, with the Envoy's
+        path, the key and the container's class and length in the message (an unhashable key
+        such as a list included)."""
+        model = NNsight(net)
+        model.layers[0]  # (a cached index first: the cache must not change what a miss says)
+        with pytest.raises(error) as info:
+            model.layers[key]
+        assert f"model.layers[{key!r}]" in str(info.value)
+        assert "ModuleList of length 3" in str(info.value)
+
     def test_a_child_replaced_on_the_module_is_the_one_reached(self, net, x8):
         """``net.inp = new`` on the torch module (not through the Envoy), after the Envoy of
         the old child was reached: ``model.inp`` (and a ``rename=`` alias of it) is the new
