@@ -157,11 +157,20 @@ class Interleaver:
         self.stopped_early = False
         self.sources = None  # source.SourceRun: forwards running instrumented in this trace
         self._bulk = None  # the plan's _Bulk when this trace swapped forwards all at once
+        self.held = []  # (Envoy __dict__, child name, child Envoy) put there for this trace
 
     def add(self, run, batch=None, scope=None) -> Mediator:
         med = Mediator(self, len(self.mediators), run, batch, scope)
         self.mediators.append(med)
         return med
+
+    def hold(self, d: dict, name: str, env) -> None:
+        """Keep child Envoy ``env`` as attribute ``name`` of the Envoy whose ``__dict__`` is
+        ``d`` until this trace ends, so the body's next reads of it skip ``__getattr__``."""
+        held = self.held
+        if held is not None and name not in d:  # (None: the trace is over)
+            d[name] = env
+            held.append((d, name, env))
 
     def slot_of(self, envoy) -> Slot:
         slot = self.slots.get(id(envoy._module))
@@ -412,6 +421,11 @@ class Interleaver:
         return flat
 
     def _uninstall(self) -> None:
+        held, self.held = self.held, None
+        if held:
+            for d, name, env in held:
+                if d.get(name) is env:
+                    del d[name]
         if self.sources is not None:  # instrumented forwards (source.py) go first
             self.sources.close()
             self.sources = None

@@ -83,7 +83,10 @@ class NNsight(Envoy):
     def _copy(self) -> "NNsight":
         """Another wrapper of the same module (same children), with its own edits."""
         new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
+        d = new.__dict__
+        d.update(self.__dict__)
+        d["_subs"] = dict(d["_subs"])  # (the same child Envoys, in caches of its own)
+        d["_items"] = dict(d["_items"])
         return new
 
     # ---- overridable input handling

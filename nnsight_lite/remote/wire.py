@@ -89,8 +89,9 @@ class _Unpickler(pickle.Unpickler):
             return root.generator
         if kind == "envoy":
             envoy = root
-            for part in pid[1].split("."):
-                envoy = getattr(envoy, part)
+            for part in pid[1].split("."):  # (a child named like an Envoy method: _sub)
+                envoy = (envoy._sub(part) if envoy._module._modules.get(part) is not None
+                         else getattr(envoy, part))
             return envoy
         if kind == "root":
             return _with_edits(root, pid[1])

@@ -121,6 +121,27 @@ class TestLoading:
         torch.testing.assert_close(logits, plain)
         assert torch.count_nonzero(zeroed) == 0
 
+    def test_envoys_of_an_edited_copy_taken_after_the_original_loaded_still_load(
+            self, model_dirs, hf, arch):
+        """The original traced first (it loads, the edited copy still on meta), then an Envoy
+        taken from the copy and one from the original by the same path: the copy's Envoy,
+        used in the copy's first trace, reads the loaded module (the edit applied), and the
+        original's reads the plain model's logits."""
+        lm = quiet(LanguageModel, model_dirs[arch])
+        with lm.edit() as edited:
+            edited.lm_head.output[:] = 0
+        with lm.trace("hello world"):
+            pass
+        head_edited, head_lm = edited.lm_head, lm.lm_head
+        with edited.trace("hello world"):
+            zeroed = head_edited.output.save()
+        with lm.trace("hello world"):
+            logits = head_lm.output.save()
+        with torch.no_grad():
+            plain = hf(**lm.tokenizer("hello world", return_tensors="pt")).logits
+        assert torch.count_nonzero(zeroed) == 0
+        torch.testing.assert_close(logits, plain)
+
     def test_dispatch_true_loads_now(self, model_dirs, arch):
         lm = quiet(LanguageModel, model_dirs[arch], dispatch=True)
         assert lm.dispatched

@@ -66,6 +66,33 @@ class TestTree:
         assert net.head is new
         assert model.head._module is new
 
+    def test_a_child_named_like_an_envoy_method(self, x8):
+        """A submodule called ``next`` (an Envoy method's name) is reached by its alias,
+        listed by ``children()`` and ``modules()``, and read in a remote-shaped trace through
+        an Envoy held from before; ``envoy.next`` stays the method."""
+        torch.manual_seed(0)
+
+        class Layer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.next = torch.nn.Linear(8, 8)
+                self.fc = torch.nn.Linear(8, 8)
+
+            def forward(self, x):
+                return self.fc(self.next(x))
+
+        net = torch.nn.Sequential(Layer())
+        model = NNsight(net, rename={"next": "nxt"})
+        nxt = model[0].nxt
+        assert nxt._module is net[0].next
+        assert [e._module for e in model[0].children()] == [net[0].next, net[0].fc]
+        assert [e._module for e in model.modules()] == list(net.modules())
+        assert callable(model[0].next) and not isinstance(model[0].next, Envoy)
+        want = net[0].next(x8)
+        with model.trace(x8, remote="local"):
+            h = nxt.output.save()
+        torch.testing.assert_close(h, want)
+
     @pytest.mark.parametrize("key, error", [(3, IndexError), (-4, IndexError),
                                             ([0, 1], TypeError), ("x", TypeError)])
     def test_a_bad_index_names_the_envoy_and_the_container(self, net, key, error):
@@ -88,6 +115,7 @@ class TestTree:
         assert model.first is old
         with model.trace(x8):
             model.inp.output.save()
+        assert "inp" not in vars(model)  # (a trace's fast path holds child Envoys until its end)
         new = torch.nn.Linear(8, 8)
         net.inp = new
         assert model.inp._module is new and model.first._module is new
