@@ -654,8 +654,8 @@ class FunctionSource:
 def source_of(envoy) -> Source:
     """``envoy.source``: made once per Envoy; inside a body it instruments the module's forward
     for the running trace, so its operations are counted from the start."""
-    src = envoy.__dict__.get("_source")
+    src = envoy.__dict__.get("_source_view")  # (LanguageModel's "_source" is its load path)
     if src is None:
-        src = envoy.__dict__["_source"] = Source(envoy)
+        src = envoy.__dict__["_source_view"] = Source(envoy)
     src._enter()
     return src

@@ -178,3 +178,23 @@ def test_readme_source_example_runs(model_dirs, tmp_path):
     heads, sdpa = ns["heads"], ns["sdpa"]
     assert not heads[:, :, 0].any()
     torch.testing.assert_close(heads[:, :, 1:], sdpa.transpose(1, 2)[:, :, 1:])
+
+
+def test_the_root_of_a_language_model_has_source(lm, hf, arch, model_dirs):
+    """``lm.source`` on the root of a LanguageModel loaded from a path lists the top forward's
+    operations, and its call of the base model reads what a hook on that module sees; the
+    path the model was loaded from is still what it reloads from."""
+    name, base = (("self_transformer_0", hf.transformer) if arch == "gpt2"
+                  else ("self_model_0", hf.model))
+    assert name in str(lm.source)
+    with lm.trace(PROMPT):
+        h = getattr(lm.source, name).output[0].save()
+    seen = []
+    hook = base.register_forward_hook(lambda m, a, o: seen.append(o[0].clone()))
+    try:
+        with torch.no_grad():
+            hf(**lm.tokenizer(PROMPT, return_tensors="pt"))
+    finally:
+        hook.remove()
+    torch.testing.assert_close(h, seen[0])
+    assert str(lm._source) == str(model_dirs[arch])
