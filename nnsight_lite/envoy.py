@@ -217,9 +217,10 @@ class Envoy:
         # skip this and give the Envoy of a module replaced since (``net.mlp = MyMLP()``):
         # every read checks that the module there is still the one the cached Envoy holds.
         # Inside a trace body the tree stays as the trace found it, and the Envoy is also put
-        # in the instance dict until the trace ends (see _hold): later reads of it in the
-        # trace are a dict hit (a miss costs ~7K instructions on Python 3.11, which raises and
-        # drops an AttributeError before calling this).
+        # in the instance dict until the trace ends (Interleaver.hold): later reads of it in
+        # the trace, and in the model's next traces while its tree is the same, are a dict hit
+        # (a miss costs ~7K instructions on Python 3.11, which builds and drops an
+        # AttributeError before calling this).
         d = self.__dict__
         try:
             module = d["_module"]
@@ -232,7 +233,7 @@ class Envoy:
                 env = self._sub(name)
             med = getattr(_getcurrent(), "mediator", None)
             if med is not None:
-                med.interleaver.hold(d, name, env)
+                med.interleaver.hold(self, name, env)
             return env
         rel = d["_tree"].alias(d["_mpath"], name) if d["_tree"].aliases else None
         if rel is not None:  # a rename= alias: the very Envoy its real path gives

@@ -164,13 +164,32 @@ class Interleaver:
         self.mediators.append(med)
         return med
 
-    def hold(self, d: dict, name: str, env) -> None:
-        """Keep child Envoy ``env`` as attribute ``name`` of the Envoy whose ``__dict__`` is
-        ``d`` until this trace ends, so the body's next reads of it skip ``__getattr__``."""
+    def hold(self, parent, name: str, env) -> None:
+        """Keep child Envoy ``env`` as attribute ``name`` of Envoy ``parent`` until this trace
+        ends, so the body's next reads of it skip ``__getattr__`` (Envoy.__getattr__ checked
+        it against the module just now). Only Envoys of the traced model's modules: the model
+        stays as the trace found it. The plan remembers the pair (weakly), and the model's
+        next trace holds it from the start when the module tree is still the same."""
         held = self.held
-        if held is not None and name not in d:  # (None: the trace is over)
-            d[name] = env
-            held.append((d, name, env))
+        d = parent.__dict__
+        if held is None or name in d or id(d["_module"]) not in self.slots:
+            return  # (None: the trace is over)
+        d[name] = env
+        held.append((d, name, env))
+        plan = self._plan
+        if len(plan.held) < _HELD_MAX:
+            plan.held.append((weakref.ref(parent), name, weakref.ref(env)))
+
+    def _hold_again(self, plan: "_Plan") -> None:
+        """Hold the child Envoys the model's last traces held (its module tree is the same)."""
+        held = self.held
+        for parent, name, env in plan.held:
+            parent, env = parent(), env()
+            if parent is not None and env is not None:
+                d = parent.__dict__
+                if name not in d:
+                    d[name] = env
+                    held.append((d, name, env))
 
     def slot_of(self, envoy) -> Slot:
         slot = self.slots.get(id(envoy._module))
@@ -364,11 +383,15 @@ class Interleaver:
         if plan.bulk is not None and plan.flat[0][0] is self.root and not jit:
             self._bulk = plan.bulk  # (set first: an interrupt after the swap still undoes it)
             if _bulk_install(plan.bulk):
+                if plan.held:
+                    self._hold_again(plan)
                 return
             self._bulk = None
         flat = plan.flat
         if flat is None or flat[0][0] is not self.root or not _same_tree(flat):
             flat = self._walk(plan)
+        elif plan.held:
+            self._hold_again(plan)
         self.slots = plan.slots
         for module, slot, _, wrapper, entry in flat:
             d = module.__dict__
@@ -418,6 +441,7 @@ class Interleaver:
         plan.slots = slots
         plan.wrappers = wrappers
         plan.flat = flat
+        plan.held = []  # (the Envoys held before may hold modules that have left the tree)
         return flat
 
     def _uninstall(self) -> None:
@@ -515,7 +539,7 @@ class _Plan:
     wrapper that keeps it.
     """
 
-    __slots__ = ("slots", "wrappers", "live", "flat", "bulk", "__weakref__")
+    __slots__ = ("slots", "wrappers", "live", "flat", "bulk", "held", "__weakref__")
 
     def __init__(self):
         self.slots = {}
@@ -526,6 +550,9 @@ class _Plan:
         # is the same
         self.flat = None
         self.bulk = None  # a _Bulk of ``flat`` once a trace found no instance forward on it
+        # (parent Envoy, child name, child Envoy), weakly: the children bodies read, held as
+        # attributes again by the next trace when the tree is unchanged (Interleaver.hold)
+        self.held = []
 
     @property
     def inter(self):
@@ -584,6 +611,7 @@ _ENTRIES = repeat(_ENTRY)
 _jit_tracing = torch._C._get_tracing_state
 _drain = deque(maxlen=0).extend  # runs an iterator to its end at C speed, keeping nothing
 _serials = count(1)  # trace serial numbers (_Live.serial)
+_HELD_MAX = 256  # child Envoys a plan remembers for the next trace to hold (Interleaver.hold)
 
 
 def _bulk_install(b: _Bulk) -> bool:

@@ -66,6 +66,44 @@ class TestTree:
         assert net.head is new
         assert model.head._module is new
 
+    def test_children_swapped_between_traces_are_read_where_they_are_now(self, x8):
+        """Two children swapped on the torch module (``net.a, net.b = net.b, net.a``) after
+        traces that read both through their Envoys: the next trace's ``model.a`` reads the
+        module now called ``a`` (ground truth: hooks), and so does an Envoy read outside a
+        trace."""
+        torch.manual_seed(0)
+
+        class Two(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(8, 8)
+                self.b = torch.nn.Linear(8, 8)
+
+            def forward(self, x):
+                return self.b(torch.relu(self.a(x)))
+
+        net = Two()
+        model = NNsight(net)
+        for _ in range(2):
+            with model.trace(x8):
+                model.a.output.save()
+                model.b.output.save()
+        net.a, net.b = net.b, net.a
+        assert model.a._module is net.a and model.b._module is net.b
+        seen = {}
+        hooks = [m.register_forward_hook(lambda m, i, o, n=n: seen.setdefault(n, o.clone()))
+                 for n, m in (("a", net.a), ("b", net.b))]
+        try:
+            net(x8)
+        finally:
+            for h in hooks:
+                h.remove()
+        for _ in range(2):
+            with model.trace(x8):
+                a = model.a.output.save()
+                b = model.b.output.save()
+            assert torch.equal(a, seen["a"]) and torch.equal(b, seen["b"])
+
     def test_a_child_named_like_an_envoy_method(self, x8):
         """A submodule called ``next`` (an Envoy method's name) is reached by its alias,
         listed by ``children()`` and ``modules()``, and read in a remote-shaped trace through
@@ -113,8 +151,9 @@ class TestTree:
         model = NNsight(net, rename={"inp": "first"})
         old = model.inp
         assert model.first is old
-        with model.trace(x8):
-            model.inp.output.save()
+        for _ in range(2):  # (the second trace holds the Envoy from its start)
+            with model.trace(x8):
+                model.inp.output.save()
         assert "inp" not in vars(model)  # (a trace's fast path holds child Envoys until its end)
         new = torch.nn.Linear(8, 8)
         net.inp = new
