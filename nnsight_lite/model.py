@@ -84,7 +84,8 @@ class NNsight(Envoy):
         """Another wrapper of the same module (same children), with its own edits."""
         new = object.__new__(type(self))
         d = new.__dict__
-        d.update(self.__dict__)
+        d.update((k, v) for k, v in self.__dict__.items()  # (not the Envoys a trace holds)
+                 if k.startswith("_") or not isinstance(v, Envoy))
         d["_subs"] = dict(d["_subs"])  # (the same child Envoys, in caches of its own)
         d["_items"] = dict(d["_items"])
         return new

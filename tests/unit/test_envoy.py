@@ -7,6 +7,7 @@ import traceback
 import pytest
 import torch
 
+import nnsight_lite
 from nnsight_lite import Envoy, ModulePathError, NNsight, NNsightError
 
 
@@ -103,6 +104,19 @@ class TestTree:
                 a = model.a.output.save()
                 b = model.b.output.save()
             assert torch.equal(a, seen["a"]) and torch.equal(b, seen["b"])
+
+    def test_an_edited_copy_made_in_a_trace_follows_the_module(self, net, x8):
+        """``model.edit()`` made inside a trace body, after the body read ``model.inp``: the
+        copy does not keep the Envoy that trace held, so once ``net.inp`` is replaced the
+        copy's ``inp`` is the new module."""
+        model = NNsight(net)
+        with model.trace(x8):
+            model.inp.output.save()
+            editor = nnsight_lite.save(model.edit())
+        copy = editor._target
+        new = torch.nn.Linear(8, 8)
+        net.inp = new
+        assert copy.inp._module is new
 
     def test_a_child_named_like_an_envoy_method(self, x8):
         """A submodule called ``next`` (an Envoy method's name) is reached by its alias,
