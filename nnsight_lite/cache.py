@@ -428,7 +428,7 @@ class _Node:
 def _child(envoy: Envoy, name: str):
     """The child Envoy ``envoy.<name>`` (aliases included), or None if it is not a module."""
     try:
-        got = getattr(envoy, name)
+        got = envoy._reach(name)
     except AttributeError:
         return None
     return got if isinstance(got, Envoy) else None

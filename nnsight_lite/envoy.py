@@ -268,6 +268,14 @@ class Envoy:
         env = subs[name] = self._child(sub, name, path)
         return env
 
+    def _reach(self, name: str):
+        """``getattr(self, name)``, except that a child module named like one of the Envoy's
+        own attributes (``next``, ``skip``, ``output``) gives the child's Envoy: what a path
+        of module names (a cache key, a pickled Envoy's path) means by ``name``."""
+        if self.__dict__["_module"]._modules.get(name) is not None:
+            return self._sub(name)
+        return getattr(self, name)
+
     def _child(self, sub: torch.nn.Module, name: str, path: str) -> "Envoy":
         """The Envoy for child module ``sub`` (named ``name`` here), of the class ``envoys=``
         picks for it."""

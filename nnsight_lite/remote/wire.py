@@ -89,9 +89,8 @@ class _Unpickler(pickle.Unpickler):
             return root.generator
         if kind == "envoy":
             envoy = root
-            for part in pid[1].split("."):  # (a child named like an Envoy method: _sub)
-                envoy = (envoy._sub(part) if envoy._module._modules.get(part) is not None
-                         else getattr(envoy, part))
+            for part in pid[1].split("."):
+                envoy = envoy._reach(part)
             return envoy
         if kind == "root":
             return _with_edits(root, pid[1])

@@ -120,8 +120,9 @@ class TestTree:
 
     def test_a_child_named_like_an_envoy_method(self, x8):
         """A submodule called ``next`` (an Envoy method's name) is reached by its alias,
-        listed by ``children()`` and ``modules()``, and read in a remote-shaped trace through
-        an Envoy held from before; ``envoy.next`` stays the method."""
+        listed by ``children()`` and ``modules()``, read in a remote-shaped trace through
+        an Envoy held from before, and found in ``tracer.cache()`` by its own name;
+        ``envoy.next`` stays the method."""
         torch.manual_seed(0)
 
         class Layer(torch.nn.Module):
@@ -144,6 +145,9 @@ class TestTree:
         with model.trace(x8, remote="local"):
             h = nxt.output.save()
         torch.testing.assert_close(h, want)
+        with model.trace(x8) as tracer:
+            cache = tracer.cache()
+        torch.testing.assert_close(cache.model[0].next.output, want)
 
     @pytest.mark.parametrize("key, error", [(3, IndexError), (-4, IndexError),
                                             ([0, 1], TypeError), ("x", TypeError)])
