@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from benchmarks._timing import measure, over, same  # noqa: E402
 from benchmarks.run import build, load_lib  # noqa: E402
+from cases import with_hooks  # noqa: E402  (benchmarks/ is on the path: benchmarks.run)
 
 
 def _looping(fn):
@@ -100,23 +101,17 @@ class Reader:
         self.body.switch()
         self.waiting = None  # the index of the read the body waits for (None: none)
 
-    def hook(self, i):
-        def hook(module, args, out):
-            if self.waiting == i:
-                self.waiting = self.body.switch(out)
-
-        return hook
-
     def reads(self, run, modules):
         """``run()`` with the body reading the outputs of ``modules`` in turn; what it read."""
         saved = []
+        index = {m: i for i, m in enumerate(modules)}
+
+        def hook(module, args, out):
+            if self.waiting == index[module]:
+                self.waiting = self.body.switch(out)
+
         self.waiting = self.body.switch((saved, len(modules)))
-        handles = [m.register_forward_hook(self.hook(i)) for i, m in enumerate(modules)]
-        try:
-            run()
-        finally:
-            for h in handles:
-                h.remove()
+        with_hooks(run, modules, hook)
         if self.waiting is not None:
             raise AssertionError(f"the body still waits for read {self.waiting}")
         return saved
