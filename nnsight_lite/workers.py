@@ -57,6 +57,7 @@ class BodyGreenlet(greenlet.greenlet):
 
     mediator: "Mediator | None" = None  # the invoke body it runs now
     level = BODY  # RUNNER, BODY or GRADS: what it runs, and which nursery and pool it belongs to
+    pool: "list | None" = None  # its thread's idle list for its level, where it goes back (set when made)
     grads = None  # or the backward.Backward whose body it runs now
     error: "BaseException | None" = None
 
@@ -140,6 +141,11 @@ def _new_worker(level: int = BODY) -> BodyGreenlet:
     w = nursery.switch()
     w.parent = here
     w.level = level
+    idle = getattr(_pool, _POOL_NAMES[level], None)
+    if idle is None:
+        idle = []
+        setattr(_pool, _POOL_NAMES[level], idle)
+    w.pool = idle
     return w
 
 
@@ -273,11 +279,7 @@ def _nursery_main() -> None:
 def _release_worker(w: BodyGreenlet) -> None:
     w.mediator = None
     w.grads = None
-    name = _POOL_NAMES[w.level]
-    idle = getattr(_pool, name, None)
-    if idle is None:
-        idle = []
-        setattr(_pool, name, idle)
+    idle = w.pool  # (a worker stays in its thread: greenlets cannot change threads)
     if len(idle) < _POOL_MAX:
         idle.append(w)
 
