@@ -57,7 +57,7 @@ class BodyGreenlet(greenlet.greenlet):
 
     mediator: "Mediator | None" = None  # the invoke body it runs now
     level = BODY  # RUNNER, BODY or GRADS: what it runs, and which nursery and pool it belongs to
-    pool: "list | None" = None  # its thread's idle list for its level, where it goes back (set when made)
+    pool = "idle"  # the name of its level's idle list in this thread's pool (set when made)
     grads = None  # or the backward.Backward whose body it runs now
     error: "BaseException | None" = None
 
@@ -110,15 +110,16 @@ def _guarded(fn):
 
 
 def _worker_main():
-    me = _getcurrent()
-    job = me.parent.switch()  # (started empty by the nursery: every job comes by a switch)
+    # (no local holds this greenlet: its suspended frame would keep it alive, and a greenlet
+    # kept by its own frame is never freed once its thread has ended)
+    job = _getcurrent().parent.switch()  # (started empty by the nursery: jobs come by switches)
     while True:
         try:
             job()
         except BaseException as exc:  # handed to the parent, which re-raises it
-            me.error = exc
+            _getcurrent().error = exc
         job = None
-        job = me.parent.switch(_FINISHED)
+        job = _getcurrent().parent.switch(_FINISHED)
 
 
 def _take_worker(level: int = BODY) -> BodyGreenlet:
@@ -141,11 +142,9 @@ def _new_worker(level: int = BODY) -> BodyGreenlet:
     w = nursery.switch()
     w.parent = here
     w.level = level
-    idle = getattr(_pool, _POOL_NAMES[level], None)
-    if idle is None:
-        idle = []
-        setattr(_pool, _POOL_NAMES[level], idle)
-    w.pool = idle
+    w.pool = name = _POOL_NAMES[level]
+    if getattr(_pool, name, None) is None:
+        setattr(_pool, name, [])
     return w
 
 
@@ -262,24 +261,25 @@ def _nursery_main() -> None:
     A greenlet also holds the arguments of its first switch for as long as its first function
     runs, which for a pooled worker is for good: so a worker is started with none, and waits
     for its jobs like any pooled worker (_worker_main); so is a nursery."""
-    me = _getcurrent()
-    req = me.parent.switch()
+    req = _getcurrent().parent.switch()  # (no local holds this greenlet: see _worker_main)
     while True:
         if req is _NEXT_LEVEL:
-            made = greenlet.greenlet(_below(_nursery_main), me)
+            made = greenlet.greenlet(_below(_nursery_main), _getcurrent())
             made.switch()
         else:
-            made = BodyGreenlet(padded(_worker_main), me)
+            made = BodyGreenlet(padded(_worker_main), _getcurrent())
             made.switch()
             _workers.add(made)
-        req = me.parent.switch(made)
+        req = _getcurrent().parent.switch(made)
         made = None
 
 
 def _release_worker(w: BodyGreenlet) -> None:
     w.mediator = None
     w.grads = None
-    idle = w.pool  # (a worker stays in its thread: greenlets cannot change threads)
+    # (its thread's list: a worker never leaves its thread. The worker holds the list's name,
+    # not the list, which holds it: a cycle of greenlets is not freed once their thread ends)
+    idle = getattr(_pool, w.pool)
     if len(idle) < _POOL_MAX:
         idle.append(w)
 

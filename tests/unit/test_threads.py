@@ -36,3 +36,38 @@ def test_same_model_in_two_threads_is_refused(seq):
         t.join(10)
     torch.testing.assert_close(result["out"], seq(x))
     assert all("forward" not in m.__dict__ for m in seq.modules())
+
+
+def test_a_finished_thread_frees_the_workers_it_made(seq):
+    """Every thread that traces makes its own worker greenlets (a forward's, the bodies',
+    a backward body's); when the thread ends they must go with it, and with them the memory
+    of their stacks: a program that streams each generate in a new thread (README) would
+    otherwise grow by most of a MiB per call."""
+    import gc
+
+    from nnsight_lite import workers
+
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    outs = []
+
+    def traced():
+        with model.trace() as tracer:
+            for _ in range(2):
+                with tracer.invoke(x):
+                    h = model[1].output
+                    out = model.output.save()
+                    with out.sum().backward(retain_graph=True):
+                        g = h.grad.save()
+        outs.append((out, g))
+
+    gc.collect()
+    before = len(workers._workers)
+    for _ in range(5):
+        t = threading.Thread(target=traced)
+        t.start()
+        t.join(30)
+    gc.collect()
+    assert len(outs) == 5
+    torch.testing.assert_close(outs[-1][0], seq(x))
+    assert len(workers._workers) == before  # none of the threads' workers is left
