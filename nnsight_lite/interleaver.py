@@ -26,8 +26,8 @@ import threading
 import weakref
 from bisect import insort
 from collections import deque
-from itertools import count, repeat
-from operator import eq
+from itertools import compress, count, repeat
+from operator import eq, is_
 
 import torch
 from torch.nn.modules import module as _torch_module
@@ -617,16 +617,21 @@ _HELD_MAX = 256  # child Envoys a plan remembers for the next trace to hold (Int
 def _bulk_install(b: _Bulk) -> bool:
     """Swap in every wrapper of ``b`` at once; False (and nothing swapped) where ``b`` no
     longer describes the model."""
+    # (each check and swap is a C-level loop that builds no list: a list of a few hundred
+    # pointers is a block of glibc's, whose first allocation after a forward pays for sorting
+    # everything the forward freed)
     if (any(b.leaves)  # a leaf got children
             or not all(map(eq, b.inner, b.snaps))  # a child added, removed, replaced, renamed
-            or list(map(type, b.modules)) != b.types  # (``module.__class__ = ...``)
+            or not all(map(is_, map(type, b.modules), b.types))  # (``module.__class__ = ...``)
             or list(map(getattr, b.classes, _FORWARD)) != b.funcs):  # a class's forward replaced
         return False
     dicts, wrappers, entries = b.dicts, b.wrappers, b.entries
     # one pass puts every wrapper in and says whether a module has a forward of its own now
-    # (and one more the call entries: whether a module has a compiled call of its own)
-    if list(map(dict.setdefault, dicts, _FORWARD, wrappers)) != wrappers or (
-            entries is not None and list(map(dict.setdefault, dicts, _ENTRIES, entries)) != entries):
+    # (and one more the call entries: whether a module has a compiled call of its own); a
+    # pass stops at the first such module, and the loop below takes out what went in
+    if not all(map(is_, map(dict.setdefault, dicts, _FORWARD, wrappers), wrappers)) or (
+            entries is not None
+            and not all(map(is_, map(dict.setdefault, dicts, _ENTRIES, entries), entries))):
         for d, w, e in zip(dicts, wrappers, entries or repeat(None)):
             if d.get("forward") is w:
                 del d["forward"]
@@ -639,12 +644,10 @@ def _bulk_install(b: _Bulk) -> bool:
 def _bulk_uninstall(b: _Bulk) -> None:
     _drain(map(dict.pop, b.dicts, _FORWARD, repeat(None)))
     entries = b.entries
-    if entries is not None:
-        popped = list(map(dict.pop, b.dicts, _ENTRIES, repeat(None)))
-        if popped != entries:  # a body compiled a module (module.compile()): it keeps that
-            for d, p, e in zip(b.dicts, popped, entries):
-                if p is not e and p is not None:
-                    d[_ENTRY] = p
+    if entries is not None:  # (only the modules whose entry is still ours: a module a body
+        dicts = b.dicts  # compiled, module.compile(), keeps its compiled call)
+        _drain(map(dict.pop, compress(dicts, map(is_, map(dict.get, dicts, _ENTRIES), entries)),
+                   _ENTRIES))
     if any(b.waits):
         _drain(map(dict.clear, b.waits))
 
