@@ -40,7 +40,6 @@ from .workers import (
     set_tls_state,
     switch_job,
     tls_state,
-    to_the_end,
     unwind,
     user_location,
 )
@@ -223,14 +222,14 @@ class Backward(BodyContext):
             )
         code = self._body.code
         self._runner = _getcurrent()
-        g = _take_worker(GRADS)
-        g.grads = self
-        g.gr_context = contextvars.copy_context()
-        self._greenlet = g
+        self._greenlet = None
         self._done = False
         self._handles = []
         saved_state = tls_state()
-        try:
+        try:  # (the worker is attached inside: a Ctrl-C at any point is cleaned up below)
+            g = self._greenlet = _take_worker(GRADS)
+            g.grads = self
+            g.gr_context = contextvars.copy_context()
             self._register(self._resume(body_job(code, scope)))
             multithreading = _is_multithreading()
             _set_multithreading(False)
@@ -247,7 +246,11 @@ class Backward(BodyContext):
                 self._register(self._resume(None, self._missed_error()))
         finally:
             self._finished = True
-            to_the_end(self._cleanup)
+            try:  # (in line, not a helper's call: an interrupt lands at a function's entry)
+                self._cleanup()
+            except BaseException:  # Ctrl-C part way: finish it, then let the interrupt through
+                self._cleanup()
+                raise
             now = tls_state()
             if now != saved_state:
                 set_tls_state(saved_state, now)

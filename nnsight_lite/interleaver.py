@@ -52,7 +52,6 @@ from .workers import (
     attached,
     set_tls_state,
     tls_state,
-    to_the_end,
     unwind,
     user_location,
 )
@@ -229,7 +228,13 @@ class Interleaver:
             return output
         finally:
             self.finished = True
-            to_the_end(self._end)  # Ctrl-C part way must not leave wrappers or bodies
+            # Ctrl-C part way must not leave wrappers or bodies. (In line, not a helper's call:
+            # Python delivers an interrupt at a function's entry, before the helper's `try`.)
+            try:
+                self._end()
+            except BaseException:  # (an interrupt part way: finish, then let it through)
+                self._end()
+                raise
             now = tls_state()
             if now != saved:
                 set_tls_state(saved, now)
@@ -270,8 +275,8 @@ class Interleaver:
                 self.register(med, med.resume(None, IterationEnd()))
 
     def _end(self) -> None:
-        """Remove the wrappers, then unwind the bodies still suspended (each step idempotent,
-        for ``to_the_end``)."""
+        """Remove the wrappers, then unwind the bodies still suspended (each step idempotent:
+        ``run`` runs it again when an interrupt stops it part way)."""
         self._uninstall()
         self._kill_all()
 

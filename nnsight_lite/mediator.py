@@ -231,10 +231,9 @@ class Mediator:
     def start(self, parent_state=None) -> None:
         """Start the body in a pooled worker and run it to its first request.
         ``parent_state``: the caller's ``tls_state()`` where it already has it."""
-        g = _take_worker()
-        g.mediator = self
+        g = self.greenlet = _take_worker()  # (before it points here: an interrupt between
+        g.mediator = self  # the two must not leave a worker attached that the trace cannot see)
         g.gr_context = contextvars.copy_context()
-        self.greenlet = g
         self.parent = g.parent
         inter = self.interleaver
         inter.register(self, self.resume(self.run_fn, None, parent_state))

@@ -312,17 +312,6 @@ def job_ended(w: BodyGreenlet) -> None:
             err = context = None  # reference cycle (exception -> traceback -> frame -> it)
 
 
-def to_the_end(cleanup) -> None:
-    """Run ``cleanup()``; if an interrupt (Ctrl-C's KeyboardInterrupt, raised at any bytecode)
-    stops it part way, run it once more to the end, then let the interrupt through. ``cleanup``
-    must be idempotent: what it already did is skipped the second time."""
-    try:
-        cleanup()
-    except BaseException:
-        cleanup()
-        raise
-
-
 def attached(w: "BodyGreenlet | None", owner) -> bool:
     """Whether worker ``w`` is alive and still attached to ``owner`` (a Mediator or a
     Backward): its job is running or suspended, or it ended but was not yet given back to the

@@ -45,6 +45,18 @@ def interrupt_at(code, n):
     return tracer, lambda: state["fired"]
 
 
+def run_traced(tracer, previous, step):
+    """``step()`` with ``tracer`` as the trace function; a KeyboardInterrupt it raises is the
+    user's to see, so it is dropped here."""
+    sys.settrace(tracer)
+    try:
+        step()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(previous)
+
+
 def traced_step(model, x):
     with model.trace(x):
         h = model[0].output
@@ -65,13 +77,7 @@ def test_interrupt_at_every_line_of_the_clean_up(seq, where):
     fired_at = []
     for n in range(200):
         tracer, fired = interrupt_at(TARGETS[where], n)
-        sys.settrace(tracer)
-        try:
-            traced_step(model, x)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(previous)
+        run_traced(tracer, previous, lambda: traced_step(model, x))
         if not fired():
             break
         fired_at.append(n)
@@ -83,3 +89,65 @@ def test_interrupt_at_every_line_of_the_clean_up(seq, where):
         pytest.fail("the clean-up kept reaching new lines")
     assert fired_at, f"the interrupt never reached {where}"
     seq.zero_grad()
+
+
+
+def interrupt_on_call(n):
+    """A trace function raising KeyboardInterrupt as the ``n``-th Python function call from
+    now on begins (once): Python delivers a pending signal at a function's first
+    instruction, before any ``try`` in it. Returns (tracer, fired)."""
+    state = {"seen": 0, "fired": False}
+
+    def tracer(frame, event, arg):
+        if (event == "call" and not state["fired"]
+                and not frame.f_code.co_filename.endswith("_weakrefset.py")):  # (a callback
+            if state["seen"] == n:  # of the collector's: what it raises is only printed)
+                state["fired"] = True
+                raise KeyboardInterrupt("test interrupt at a call")
+            state["seen"] += 1
+        return None
+
+    return tracer, lambda: state["fired"]
+
+
+def test_interrupt_as_any_function_of_a_trace_begins(seq):
+    """KeyboardInterrupt at the entry of the n-th Python function a two-invoke trace with a
+    backward block calls, for every n (user code, torch's and nnsight_lite's alike): the model
+    is left with no wrapper and exact, and no worker stays attached to a body. (Before, an
+    interrupt at the entry of the clean-up's own helper skipped the clean-up: every wrapper
+    stayed on the model, which could not be traced again.)"""
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+
+    def step():
+        with model.trace() as tr:
+            with tr.invoke(x):
+                traced_body(model)
+            with tr.invoke(x):
+                traced_body(model)
+
+    step()  # (the first run compiles its bodies: thousands of calls into ast)
+    previous = sys.gettrace()
+    n = 0
+    while True:
+        tracer, fired = interrupt_on_call(n)
+        run_traced(tracer, previous, step)
+        if not fired():
+            break
+        assert _leftovers() == [], n
+        assert not [w for w in list(workers._workers)
+                    if not w.dead and (w.mediator is not None or w.grads is not None)], n
+        with model.trace(x):
+            out = model.output.save()
+        assert torch.equal(out, seq(x)), n
+        n += 1
+        assert n < 5000, "the calls kept coming"
+    assert n > 50
+    seq.zero_grad()
+
+
+def traced_body(model):
+    h = model[0].output
+    out = model.output
+    with out.sum().backward(retain_graph=True):
+        g = h.grad.save()  # noqa: F841
