@@ -277,6 +277,7 @@ def _nursery_main() -> None:
 def _release_worker(w: BodyGreenlet) -> None:
     w.mediator = None
     w.grads = None
+    w.gr_context = None  # (the copy of the caller's context its job ran in, and what it holds)
     # (its thread's list: a worker never leaves its thread. The worker holds the list's name,
     # not the list, which holds it: a cycle of greenlets is not freed once their thread ends)
     idle = getattr(_pool, w.pool)

@@ -209,3 +209,31 @@ def test_a_replaced_submodule_is_freed_by_the_next_trace(seq):
     gc.collect()
     assert old() is None
     torch.testing.assert_close(out, seq[1](seq[0](x)))
+
+
+def test_pooled_workers_let_go_of_the_callers_context_variables(seq):
+    """Bodies see the caller's context variables (each job runs in a copy of the caller's
+    context); once the trace is over, the pooled workers must not keep that copy, or a value
+    the user resets in a ContextVar (a tensor here) lives on in the pool."""
+    import contextvars
+
+    var = contextvars.ContextVar("nnsight_lite_test_var", default=None)
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    held = torch.randn(3)
+    ref = weakref.ref(held)
+    var.set(held)
+    with model.trace() as tracer:
+        with tracer.invoke(x):
+            seen = var.get().clone().save()  # a body reads the caller's variable
+            h = model[0].output
+            out = model.output.save()
+            with out.sum().backward():
+                g = h.grad.save()
+                seen_in_backward = var.get().clone().save()
+    torch.testing.assert_close(seen, held)
+    torch.testing.assert_close(seen_in_backward, held)
+    var.set(None)
+    del held
+    gc.collect()
+    assert ref() is None
