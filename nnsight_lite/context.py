@@ -30,7 +30,7 @@ from .capture import (
 )
 from .envoy import _saved_stack, save_in_body
 from .errors import BodySyntaxError, NoSourceError
-from .mediator import wait_for_name
+from .mediator import StopTrace, wait_for_name
 from .tracebacks import clean
 
 _PY311 = sys.version_info >= (3, 11)
@@ -135,8 +135,11 @@ class BodyContext:
         saved: dict = {}
         stack = _saved_stack()
         stack.append(saved)
+        stop = None
         try:
             run(scope)
+        except StopTrace as exc:  # an enclosing trace's tracer.stop(), or one in a backward
+            stop = exc  # block: it ends that trace, and what the body saved so far is kept
         finally:
             stack.pop()
         target = frame.f_locals
@@ -148,3 +151,8 @@ class BodyContext:
         if stack:  # a trace nested in another body: its saves are saved there too
             stack[-1].update(saved)
         write_back(frame, values, target)
+        if stop is not None:
+            try:
+                raise stop
+            finally:
+                stop = None  # (a local holding the exception it raises: a reference cycle)

@@ -215,7 +215,9 @@ class Interleaver:
                 for med in self.mediators:
                     med.start(saved)  # (each start puts the state back as it found it)
                 output = forward()
-            except StopTrace:
+            except StopTrace as exc:
+                if exc.tracer is not None and exc.tracer._inter is not self:
+                    raise  # an enclosing trace's tracer.stop(), called in a body of this one
                 self.stopped_early = True
                 output = None
             except Exception as exc:

@@ -58,7 +58,17 @@ class StopTrace(BaseException):
     """Raised by ``tracer.stop()`` to end the forward early. Not an error; never escapes a trace.
 
     It derives from BaseException so that a model's own ``except Exception`` does not swallow it.
+    ``tracer`` is the Tracer whose forward it ends (None: the innermost), so that ``outer.stop()``
+    in the body of a trace nested in ``outer``'s passes through the inner trace.
     """
+
+    def __init__(self, tracer=None):
+        super().__init__()
+        self.tracer = tracer
+
+    def ends(self, tracer) -> bool:
+        """Whether this stop is ``tracer``'s to take."""
+        return self.tracer is None or self.tracer is tracer
 
 
 class NameWait:

@@ -131,7 +131,7 @@ def exit_inline_trace(tracer, exc_type, exc) -> bool:
     fwd = tracer.__dict__["_inline"][0]
     user = _getcurrent()
     state = tls_state()
-    stop = exc_type is not None and issubclass(exc_type, StopTrace)
+    stop = isinstance(exc, StopTrace) and exc.ends(tracer)
     try:
         if not fwd.dead:
             if exc_type is None:

@@ -86,7 +86,7 @@ class Tracer(BodyContext):
 
     def stop(self) -> None:
         """End the model's forward here. Values saved so far are kept; later modules do not run."""
-        raise StopTrace()
+        raise StopTrace(self)
 
     def cond(self, *args, **kwargs):
         """Old nnsight idiom: bodies run eagerly here, so a plain ``if`` does the job."""
@@ -219,7 +219,9 @@ class Tracer(BodyContext):
         _collecting.depth = getattr(_collecting, "depth", 0) + 1
         try:
             exec(self._body.code, scope)
-        except StopTrace:
+        except StopTrace as exc:
+            if not exc.ends(self):  # an enclosing trace's tracer.stop(): it goes there
+                raise
             return
         finally:
             self._collecting = False

@@ -231,6 +231,46 @@ class TestStopAndCalls:
         torch.testing.assert_close(h, seq[1](seq[0](x)))
         assert ran == []
 
+    def test_stop_in_a_backward_block_keeps_what_the_block_saved(self, seq):
+        """``tracer.stop()`` inside ``with loss.backward():`` ends the trace, and the gradient
+        the block saved before it is kept (it was silently dropped: NameError after)."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x) as tracer:
+            h = model[0].output
+            partial = model[2].output.sum()
+            with partial.backward():
+                g = h.grad.save()
+                tracer.stop()
+        h_ref = seq[0](x).detach().requires_grad_(True)
+        seq[2](seq[1](h_ref)).sum().backward()
+        torch.testing.assert_close(g, h_ref.grad)
+
+    def test_outer_stop_in_a_nested_trace_ends_the_outer_trace(self, seq):
+        """``outer.stop()`` called in the body of a trace nested in ``outer``'s body ends the
+        outer model's forward (it stopped the inner one, and the outer body went on). What
+        both bodies saved before the stop is kept."""
+        inner_net = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU())
+        outer_model, inner_model = NNsight(seq), NNsight(inner_net)
+        x = torch.randn(2, 6)
+        ran = []
+        handles = [m.register_forward_hook(lambda m, i, o, n=n: ran.append(n))
+                   for n, m in (("outer1", seq[1]), ("outer3", seq[3]), ("inner1", inner_net[1]))]
+        try:
+            with outer_model.trace(x) as outer:
+                h = outer_model[0].output.save()
+                with inner_model.trace(h) as inner:
+                    b = inner_model[0].output.save()
+                    outer.stop()
+                after = outer_model[3].output.save()  # never reached
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert ran == []  # neither model ran past the stop
+        torch.testing.assert_close(h, seq[0](x))
+        torch.testing.assert_close(b, inner_net[0](seq[0](x)))
+        assert "after" not in locals()
+
     def test_shared_module_calls(self, net, x8):
         model = NNsight(net)
         with model.trace(x8):
