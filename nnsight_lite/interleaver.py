@@ -196,12 +196,48 @@ class Interleaver:
             find = getattr(type(envoy), "_slot_in", None)  # an operation (source.py)
             if find is not None:
                 return find(envoy, self)
+            moved = self._moved(envoy)
+            if moved is not None:
+                raise OutsideTraceError(moved)
             raise OutsideTraceError(
                 f"{envoy._path} is not part of the model being traced here (at "
                 f"{user_location()}); each model's values can only be read inside its own "
                 "trace. Open a trace on that model (they can be nested)."
             )
         return slot
+
+    def _moved(self, envoy) -> "str | None":
+        """Why an Envoy of this trace's own model has no slot, when its module was replaced
+        or removed (None for an Envoy of another model)."""
+        d = envoy.__dict__
+        if self.home is None or d.get("_tree") is not self.home.get("_tree"):
+            return None
+        path, module = d["_path"], d["_module"]
+        try:
+            now = self.root.get_submodule(d["_mpath"])
+        except AttributeError:
+            now = None
+        where = user_location()
+        if now is module:
+            return (
+                f"{path} ({type(module).__name__}) was put into the model after this trace "
+                f"began, so the trace does not follow it (read at {where}). A trace follows the "
+                "modules its model holds when it starts: replace modules before the trace, and "
+                "read the new one in the next trace."
+            )
+        if now is not None:
+            return (
+                f"{path}, read at {where}, stands for the {type(module).__name__} that was at "
+                f"that place before it was replaced (the model holds "
+                f"{'another' if type(now) is type(module) else 'a'} {type(now).__name__} "
+                f"there now). An Envoy kept from before the replacement keeps the old module: "
+                f"read it through the model again ({path}) to reach the one there now."
+            )
+        return (
+            f"{path} ({type(module).__name__}), read at {where}, is no longer part of the "
+            "model: it was removed (or moved) after this Envoy was taken. Read the modules "
+            "the model holds now, print(model) shows them."
+        )
 
     # ---- running
 

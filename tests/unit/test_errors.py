@@ -81,6 +81,47 @@ class TestOrderErrors:
             with b.trace(x8):
                 a[0].output
 
+    def test_an_envoy_kept_from_before_its_module_was_replaced(self, seq):
+        """An Envoy held in a variable while its module is replaced in the model stands for
+        the old module: the error says so and how to reach the new one (it said the module
+        was not part of the model being traced, and to open a trace on that model)."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        layer = model[2]
+        seq[2] = torch.nn.Linear(6, 6)
+        with pytest.raises(OutsideTraceError) as info:
+            with model.trace(x):
+                layer.output
+        text = str(info.value)
+        assert "before it was replaced" in text and "read it through the model again" in text
+        assert "model[2]" in text and f"{__file__}:" in text
+        with model.trace(x):  # read through the model: the new module
+            out = model[2].output.save()
+        torch.testing.assert_close(out, seq[2](seq[1](seq[0](x))))
+
+    def test_a_module_put_in_during_the_trace(self, seq):
+        """A module put into the model by a body is not followed by that trace: the error
+        says it was put in after the trace began, and to read it in the next trace."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with pytest.raises(OutsideTraceError, match="put into the model after this trace began"):
+            with model.trace(x):
+                seq[2] = torch.nn.Linear(6, 6)
+                model[2].output
+        with model.trace(x):
+            out = model[2].output.save()
+        torch.testing.assert_close(out, seq[2](seq[1](seq[0](x))))
+
+    def test_a_module_removed_from_the_model(self, net, x8):
+        """An Envoy of a module that has left the model (deleted) says it is no longer part of
+        the model."""
+        model = NNsight(net)
+        gone = model.unused
+        del net.unused
+        with pytest.raises(OutsideTraceError, match="no longer part of the model"):
+            with model.trace(x8):
+                gone.output
+
 
 def _edit_label(lineno: int) -> str:
     return f"the model's persistent edit (made by `with model.edit(...)` at {__file__}:{lineno})"
