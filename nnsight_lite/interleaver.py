@@ -619,7 +619,7 @@ class _Bulk:
     """
 
     __slots__ = ("dicts", "wrappers", "entries", "slots", "modules", "types", "classes", "funcs",
-                 "leaves", "inner", "snaps", "waits")
+                 "leaves", "inner", "inner_dicts", "snaps", "waits")
 
     def __init__(self, flat):
         self.modules = [m for m, _, _, _, _ in flat]
@@ -633,6 +633,7 @@ class _Bulk:
         self.funcs = [getattr(c, "forward", None) for c in self.classes]
         self.leaves = [m._modules for m, _, c, _, _ in flat if not c]
         self.inner = [m._modules for m, _, c, _, _ in flat if c]
+        self.inner_dicts = [m.__dict__ for m, _, c, _, _ in flat if c]  # (where ``inner`` is)
         self.snaps = [dict(c) for _, _, c, _, _ in flat if c]
         self.waits = [s.wait_in for s in self.slots] + [s.wait_out for s in self.slots]
 
@@ -650,6 +651,7 @@ class _Bulk:
 
 
 _FORWARD = repeat("forward")
+_MODULES = repeat("_modules")
 _ENTRIES = repeat(_ENTRY)
 _jit_tracing = torch._C._get_tracing_state
 _drain = deque(maxlen=0).extend  # runs an iterator to its end at C speed, keeping nothing
@@ -664,6 +666,8 @@ def _bulk_install(b: _Bulk) -> bool:
     # pointers is a block of glibc's, whose first allocation after a forward pays for sorting
     # everything the forward freed)
     if (any(b.leaves)  # a leaf got children
+            # (a container's ``_modules`` rebound to a new dict: ``del seq[0:0]`` does that)
+            or not all(map(is_, map(dict.get, b.inner_dicts, _MODULES), b.inner))
             or not all(map(eq, b.inner, b.snaps))  # a child added, removed, replaced, renamed
             or not all(map(is_, map(type, b.modules), b.types))  # (``module.__class__ = ...``)
             or list(map(getattr, b.classes, _FORWARD)) != b.funcs):  # a class's forward replaced

@@ -68,6 +68,21 @@ class TestBetweenTraces:
         seen, _ = record(net, ["2"], x)
         assert torch.equal(got, seen[("2", 0)])
 
+    def test_a_child_replaced_after_its_container_got_a_new_dict_is_traced(self):
+        """``del seq[0:0]`` removes nothing but gives the Sequential a new ``_modules`` dict
+        (torch rebuilds it); a child replaced after that goes into the new dict, and the next
+        trace must see it (it kept comparing the old dict, and ran on the old tree for good)."""
+        net = _stack()
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+        _trace_out(model, x, 2)
+        _trace_out(model, x, 2)
+        del net[0:0]
+        net[2] = torch.nn.Linear(4, 4)
+        got = _trace_out(model, x, 2)
+        seen, _ = record(net, ["2"], x)
+        assert torch.equal(got, seen[("2", 0)])
+
     def test_a_renamed_child_is_found_by_its_new_name(self):
         """A child moved to a new name between traces is reached by that name."""
         torch.manual_seed(0)
