@@ -438,7 +438,10 @@ class Interleaver:
         self.slots = plan.slots
         for module, slot, _, wrapper, entry in flat:
             d = module.__dict__
-            slot.prev_forward = d.get("forward", _MISSING)
+            prev = d.get("forward", _MISSING)
+            if prev is not _MISSING:
+                self._check_not_shared(slot, prev)
+            slot.prev_forward = prev
             slot.orig = module.forward
             d["forward"] = wrapper
             if (entries and entry is not None and _ENTRY not in d
@@ -451,6 +454,21 @@ class Interleaver:
         own = any(s.prev_forward is not _MISSING or (entries and not s.entered)
                   for _, s, _, _, _ in flat)
         plan.bulk = None if own or jit else _Bulk.of(flat)
+
+    def _check_not_shared(self, slot: Slot, prev) -> None:
+        """Refuse a module whose ``forward`` is another thread's running trace's wrapper: a
+        module shared by two models (``NNsight(net)`` and ``NNsight(net[0])``), traced in two
+        threads at once. (Nested traces in one thread take their turns and may share.)"""
+        owner = getattr(prev, "__wrapped__", None)
+        inter = owner.live.inter if owner.__class__ is Slot else None
+        if inter is not None and inter.thread != self.thread:
+            raise NNsightError(
+                f"{slot.label()} ({type(slot.module).__name__}) is also part of "
+                f"another model ({type(inter.root).__name__}) that another thread is tracing "
+                "right now; a module's forward is swapped for the trace of its model, so two "
+                "models that share modules cannot be traced from two threads at once. Take "
+                "turns with a lock, or give each thread its own copy of the model."
+            )
 
     def _walk(self, plan: "_Plan") -> list:
         """Walk the module tree (pre-order, each module once): make or reuse each module's Slot

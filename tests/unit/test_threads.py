@@ -71,3 +71,51 @@ def test_a_finished_thread_frees_the_workers_it_made(seq):
     assert len(outs) == 5
     torch.testing.assert_close(outs[-1][0], seq(x))
     assert len(workers._workers) == before  # none of the threads' workers is left
+
+
+def test_two_models_sharing_modules_in_two_threads_are_refused():
+    """A model and a wrapper of one of its parts share modules: while one thread traces the
+    first, a trace of the second in another thread is refused with a clear error (it ran, took
+    the other trace's wrappers off the shared modules and put them back for good, and the
+    other trace reported a module that never ran). Both work again afterwards."""
+    started, proceed = threading.Event(), threading.Event()
+
+    class Pause(torch.nn.Module):
+        def forward(self, x):
+            started.set()
+            assert proceed.wait(10)
+            return x
+
+    shared = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    whole = torch.nn.Sequential(shared, Pause())
+    a, b = NNsight(whole), NNsight(shared)
+    x = torch.randn(2, 4)
+    proceed.set()
+    for m in (a, b):  # (each model's plan is made: the fast install path is taken below)
+        with m.trace(x):
+            pass
+    started.clear()
+    proceed.clear()
+    result = {}
+
+    def run_a():
+        with a.trace(x):
+            out = a[0].output.save()
+        result["a"] = out
+
+    t = threading.Thread(target=run_a)
+    t.start()
+    try:
+        assert started.wait(10)
+        with pytest.raises(NNsightError, match="another thread is tracing"):
+            with b.trace(x):
+                h = b[1].output.save()
+    finally:
+        proceed.set()
+        t.join(10)
+    torch.testing.assert_close(result["a"], shared(x))
+    assert all("forward" not in m.__dict__ and "_compiled_call_impl" not in m.__dict__
+               for m in whole.modules())
+    with b.trace(x):
+        h = b[1].output.save()
+    torch.testing.assert_close(h, shared(x))
