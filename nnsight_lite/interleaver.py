@@ -138,6 +138,9 @@ class Interleaver:
     reshaped: "tuple | list" = ()
     #: the values still being served while a body's ``envoy(x, hook=True)`` runs (hooked.py)
     calling: tuple = ()
+    #: how many steps an open ``tracer.iter[k:]`` / ``tracer.all()`` loop has at most (generate:
+    #: max_new_tokens), or None where the model's calls alone end it
+    steps: "int | None" = None
 
     def __init__(self, root: torch.nn.Module, total: int = 1, home: "dict | None" = None):
         self.root = root

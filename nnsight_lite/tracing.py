@@ -479,7 +479,10 @@ def _iterate(item, form: str):
     elif isinstance(item, slice):
         start = item.start or 0
         step = item.step or 1
-        steps = iter(range(start, item.stop, step)) if item.stop is not None else \
+        stop = item.stop
+        if stop is None:  # open: as many steps as the model makes (generate: max_new_tokens,
+            stop = med.interleaver.steps  # so a step that reads nothing cannot loop for ever)
+        steps = iter(range(start, stop, step)) if stop is not None else \
             itertools.count(start, step)
     else:
         steps = iter(list(item))

@@ -655,6 +655,28 @@ class TestGenerate:
         assert ids[0, n + 1:n + 3].tolist() == [7, 7]
         assert not torch.equal(ids, plain_generate(hf, enc, k, min_new_tokens=k))
 
+    def test_an_open_loop_whose_steps_read_nothing_ends_after_the_last_token(self, lm, hf, arch):
+        """``for step in tracer.all():`` with an edit at one step only: the steps after it
+        read nothing, and the loop ends after max_new_tokens steps, as in nnsight (it spun
+        for ever: the model never got to run again). The tokens equal plain hooks making the
+        same edit."""
+        k, prompt = 4, PROMPTS[2]
+        with lm.generate(prompt, max_new_tokens=k, min_new_tokens=k, do_sample=False) as tracer:
+            seen = nnsight_lite.save([])
+            for step in tracer.all():
+                seen.append(step)
+                if step == 1:
+                    layers(lm, arch)[0].output[:] = 0
+            ids = tracer.result.save()
+
+        def zero(step, out):
+            return out * 0 if step == 1 else out
+
+        enc = lm.tokenizer(prompt, return_tensors="pt")
+        plain = plain_generate(hf, enc, k, hooks=[(layers(hf, arch)[0], zero)], min_new_tokens=k)
+        assert seen == list(range(k))
+        assert torch.equal(ids, plain)
+
     def test_eos_ends_open_loops_and_code_after_runs(self, lm, hf):
         """Generation stopped early by EOS ends tracer.all() / iter[:] loops; the code after
         the loop runs and reads model.generator.output."""
