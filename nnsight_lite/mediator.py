@@ -271,6 +271,8 @@ class Mediator:
             throw = None  # it is in exc's traceback through this frame: no cycle
             self.done = True
             self.pending = None
+            if self.shared is not None and isinstance(exc, StopTrace):
+                self.publish()  # tracer.stop() keeps what the body saved before it
             now = tls_state()
             if now != parent_state:
                 set_tls_state(parent_state, now)

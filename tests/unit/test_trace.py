@@ -246,6 +246,21 @@ class TestStopAndCalls:
         seq[2](seq[1](h_ref)).sum().backward()
         torch.testing.assert_close(g, h_ref.grad)
 
+    def test_stop_in_an_invoke_keeps_what_its_body_saved(self, seq):
+        """``tracer.stop()`` in an invoke's body (the second of two here) keeps the values
+        that body saved before it, as in a trace given its input (the invoke's names were
+        dropped: NameError after)."""
+        model = NNsight(seq)
+        x1, x2 = torch.randn(1, 6), torch.randn(1, 6)
+        with model.trace() as tracer:
+            with tracer.invoke(x1):
+                first = model[1].output.save()
+            with tracer.invoke(x2):
+                second = model[1].output.save()
+                tracer.stop()
+        torch.testing.assert_close(first, seq[1](seq[0](x1)))
+        torch.testing.assert_close(second, seq[1](seq[0](x2)))
+
     def test_outer_stop_in_a_nested_trace_ends_the_outer_trace(self, seq):
         """``outer.stop()`` called in the body of a trace nested in ``outer``'s body ends the
         outer model's forward (it stopped the inner one, and the outer body went on). What
