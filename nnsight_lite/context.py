@@ -143,7 +143,9 @@ class BodyContext:
         finally:
             stack.pop()
         target = frame.f_locals
-        if isinstance(target, Scope) and target.keep_all:  # inside a session: keep everything
+        # inside another body (a trace's, a backward block's, a session's) every name goes
+        # on, as in nnsight: only the outermost block keeps just what was saved
+        if stack or (isinstance(target, Scope) and target.keep_all):
             values = dict(scope.own_items())
         else:
             values = saved_only(dict.items(scope), saved)

@@ -403,3 +403,27 @@ def test_an_install_interrupted_part_way_leaves_every_module_as_it_was():
     with model.trace(x):
         again = model.output.save()
     torch.testing.assert_close(again, out)
+
+
+class TestNestedBlocksNames:
+    def test_names_a_nested_block_binds_reach_the_enclosing_body_unsaved(self, seq):
+        """Only the outermost block keeps just the saved names (as nnsight does): a trace of
+        another model and a backward block nested in a trace body hand every name they bind
+        to that body, saved or not; after the outer trace, only what was saved is bound."""
+        probe_net = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU())
+        model, probe = NNsight(seq), NNsight(probe_net)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            h = model[0].output
+            with probe.trace(h):
+                o = probe[0].output  # not saved
+            o_sum = o.sum().save()
+            loss = model.output.sum()
+            with loss.backward():
+                g = h.grad  # not saved
+            g_sum = g.sum().save()
+        h_ref = seq[0](x).detach().requires_grad_(True)
+        seq[3](seq[2](seq[1](h_ref))).sum().backward()
+        torch.testing.assert_close(o_sum, probe_net[0](seq[0](x)).sum())
+        torch.testing.assert_close(g_sum, h_ref.grad.sum())
+        assert "o" not in locals() and "g" not in locals()  # unsaved: gone after the trace
