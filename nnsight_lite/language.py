@@ -176,7 +176,10 @@ class LanguageModel(NNsight):
             if tokenizer is None:
                 from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(source, **(tokenizer_kwargs or {}))
+                # left padding unless asked otherwise, as nnsight loads it: a batch the user
+                # pads with model.tokenizer keeps each prompt's last token at [:, -1]
+                kw = {"padding_side": "left", **(tokenizer_kwargs or {})}
+                tokenizer = AutoTokenizer.from_pretrained(source, **kw)
             if dispatch:
                 module = self._load()
             else:

@@ -824,3 +824,23 @@ def test_traces_and_generation_leave_no_reference_cycles(lm, arch):
     for fn in (trace, generate):
         fn()
         assert cycles_left_by(fn) == [], fn.__name__
+
+
+def test_a_loaded_tokenizer_pads_on_the_left(lm, hf, model_dirs, arch):
+    """The tokenizer a LanguageModel loads pads on the left (as nnsight's does), so a batch
+    padded with ``model.tokenizer`` has each prompt's last token at ``[:, -1]``: its logits
+    there equal each prompt's own forward. ``tokenizer_kwargs`` still choose."""
+    from nnsight_lite import LanguageModel
+
+    assert lm.tokenizer.padding_side == "left"
+    short, long = PROMPTS[1], PROMPTS[2]
+    enc = lm.tokenizer([short, long], return_tensors="pt", padding=True)
+    with lm.trace(enc["input_ids"], attention_mask=enc["attention_mask"]):
+        last = lm.lm_head.output[:, -1].save()
+    for row, prompt in enumerate((short, long)):
+        alone = hf(**lm.tokenizer(prompt, return_tensors="pt")).logits[0, -1]
+        torch.testing.assert_close(last[row], alone, atol=1e-4, rtol=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        right = LanguageModel(model_dirs[arch], tokenizer_kwargs={"padding_side": "right"})
+    assert right.tokenizer.padding_side == "right"
