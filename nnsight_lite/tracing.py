@@ -321,12 +321,16 @@ def _add_edits(inter: Interleaver, model) -> list:
 def _run_fake(inter: Interleaver, model, args, kwargs):
     """Run the interleaved forward on fake tensors: shapes and dtypes, no real compute."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     import torch
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # (a shape environment lets a data-dependent value, ``.item()``, be a symbol, as nnsight's
+    # scan gives, instead of an error; shapes stay the real, static ones)
+    mode = FakeTensorMode(allow_non_fake_inputs=True,
+                          shape_env=ShapeEnv(assume_static_by_default=True))
 
     def fake(x):
-        return mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+        return mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
 
     f_args = tuple(fake(a) for a in args)
     f_kwargs = {k: fake(v) for k, v in kwargs.items()}

@@ -324,6 +324,15 @@ class TestScan:
             logits_shape = nnsight_lite.save(model.output["logits"].shape)
         assert tuple(shape) == (5, 8)
         assert tuple(logits_shape) == (5, 2)
+        assert all(type(n) is int for n in (*shape, *logits_shape))
+
+    def test_a_data_dependent_value_in_scan_is_a_symbol(self, net):
+        """``.item()`` on a fake tensor has no value: in a scan it is a symbol (as nnsight's
+        scan gives) where it raised torch's DataDependentOutputException."""
+        model = NNsight(net)
+        with model.scan(torch.randn(5, 8)):
+            total = nnsight_lite.save(model.layers[0].output.sum().item())
+        assert isinstance(total, torch.SymFloat)
 
 
 def test_trace_with_an_empty_body_runs_the_forward_once(seq):
