@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import itertools
 import threading
 
 import torch
@@ -166,6 +167,27 @@ class Envoy:
         entry in a ``tracer.cache()``: ``cache[model.transformer.h[5].path].output``."""
         mpath = self._mpath
         return f"model.{mpath}" if mpath else "model"
+
+    @property
+    def device(self):
+        """The module's own ``device`` where it has one (an HF model), else the device of its
+        first parameter or buffer (None for a module with neither): ``x.to(model.device)``."""
+        module = self._module
+        if getattr(type(module), "device", None) is not None:
+            return module.device
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            return t.device
+        return None
+
+    def get(self, path: str):
+        """The Envoy (or attribute, or value) at the dotted ``path`` under this one, as
+        nnsight's ``Envoy.get``: ``model.get("transformer.h.0.mlp")``, and in a body
+        ``model.get("transformer.h.0.mlp.output")``. Digits index containers."""
+        env = self
+        for part in path.split(".") if path else ():
+            env = env[int(part)] if part.isdigit() and isinstance(env, Envoy) else \
+                env._reach(part) if isinstance(env, Envoy) else getattr(env, part)
+        return env
 
     def next(self, step: int = 1) -> "Envoy":
         """Address this module's next call (reused modules, generation steps). Returns self."""

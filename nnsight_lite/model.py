@@ -40,6 +40,11 @@ class NNsight(Envoy):
 
     _edits: tuple = ()
 
+    @property
+    def _model(self) -> torch.nn.Module:
+        """The wrapped module (nnsight's older name for ``_module``)."""
+        return self._module
+
     def __init__(self, module: torch.nn.Module, *, rename: dict | None = None,
                  envoys: dict | None = None):
         if not isinstance(module, torch.nn.Module):

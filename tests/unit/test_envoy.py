@@ -9,6 +9,7 @@ import torch
 
 import nnsight_lite
 from nnsight_lite import Envoy, ModulePathError, NNsight, NNsightError
+from tests.helpers import record
 
 
 class TestTree:
@@ -346,3 +347,19 @@ def test_an_edit_unpacked_as_tracer_and_edited_works_as_in_nnsight_08(seq, net, 
     assert "_unpacking" not in edited.__dict__
     if container:
         assert [e._module for e in model] == list(seq)
+
+
+def test_device_get_and_model_as_nnsight_has_them(net, x8):
+    """``model.device`` (the first parameter's device, or an HF model's own), ``model.get(path)``
+    (a dotted path of submodules and attributes, values too inside a body) and the older
+    ``model._model``."""
+    model = NNsight(net)
+    assert model.device == torch.device("cpu") and model.layers[0].device == torch.device("cpu")
+    assert NNsight(torch.nn.ReLU()).device is None  # no parameter, no buffer
+    assert model.get("layers.1") is model.layers[1]
+    assert model.get("layers.1.weight") is net.layers[1].weight
+    assert model._model is net
+    with model.trace(x8.to(model.device)):
+        out = model.get("layers.1.output").save()
+    seen, _ = record(net, ["layers.1"], x8)
+    torch.testing.assert_close(out, seen[("layers.1", 0)])
