@@ -149,7 +149,8 @@ class LanguageModel(NNsight):
         print(model.tokenizer.decode(tracer.result[0]))
 
     ``model`` is a local directory or hub id (loaded with ``AutoModelForCausalLM``), or an
-    already built ``PreTrainedModel`` (then ``tokenizer`` is required).
+    already built ``PreTrainedModel`` (without ``tokenizer`` it takes token ids only; a text
+    prompt then raises ``InputError``).
 
     - ``tokenizer``: a tokenizer to use instead of loading one from ``model``'s directory.
     - ``dispatch``: load the weights now. Without it the model is built on the meta device
@@ -191,11 +192,7 @@ class LanguageModel(NNsight):
                     f"options {sorted(kwargs)}; loading options apply to a path or hub id only "
                     "(move or cast the model yourself before wrapping it)"
                 )
-            if tokenizer is None:
-                raise TypeError(
-                    f"LanguageModel got an already built {type(model).__name__} but no "
-                    "tokenizer; pass tokenizer=AutoTokenizer.from_pretrained(...) too"
-                )
+            # (no tokenizer: token-id prompts work; a text prompt says to give one)
             d["_source"] = None
             module = model
         else:

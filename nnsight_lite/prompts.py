@@ -141,6 +141,13 @@ class Texts(list):
 
 def tokenize(tokenizer, texts: list, tok_kwargs: dict):
     """``(input_ids, attention_mask, other_keys)`` of ``texts``, padded on the left."""
+    if tokenizer is None:
+        raise InputError(
+            f"a text prompt ({texts[0]!r}{', ...' if len(texts) > 1 else ''}) needs a tokenizer, "
+            "and this LanguageModel was given a built model without one: pass token ids "
+            "(a tensor or lists of ints), or give it one: LanguageModel(model, "
+            "tokenizer=AutoTokenizer.from_pretrained(...)), or model.tokenizer = ..."
+        )
     tok_kwargs = {"padding": True, "padding_side": "left", **tok_kwargs}
     enc = tokenizer(texts, return_tensors="pt", **tok_kwargs)
     ids = enc["input_ids"]
@@ -278,7 +285,8 @@ def _mask_of(kw: dict) -> torch.Tensor:
 
 
 def _pad_id(tokenizer) -> int:
-    pad = tokenizer.pad_token_id
+    """The id padding is made of (masked out, so any id does where there is no tokenizer)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
     return 0 if pad is None else pad
 
 

@@ -177,9 +177,34 @@ class TestLoading:
             plain = hf(**lm.tokenizer("hello world", return_tensors="pt")).logits
         torch.testing.assert_close(logits, plain)
 
-    def test_prebuilt_model_needs_a_tokenizer(self, hf):
-        with pytest.raises(TypeError, match="no tokenizer; pass tokenizer="):
-            LanguageModel(hf)
+    def test_prebuilt_model_without_a_tokenizer_takes_token_ids(self, hf):
+        """As in nnsight, a built model needs no tokenizer until a text prompt comes: token
+        ids (one invoke, and two of different lengths, padded) trace and generate as the
+        plain model does; a text prompt raises InputError saying to give one."""
+        lm = LanguageModel(hf)
+        assert lm.tokenizer is None
+        ids = torch.tensor([[5, 6, 7, 8]])
+        with lm.trace(ids):
+            logits = lm.lm_head.output.save()
+        with torch.no_grad():
+            torch.testing.assert_close(logits, hf(ids).logits)
+        with lm.trace() as tracer:
+            with tracer.invoke([[5, 6]]):
+                short = lm.lm_head.output[:, -1].save()
+            with tracer.invoke(ids):
+                long = lm.lm_head.output[:, -1].save()
+        with torch.no_grad():
+            torch.testing.assert_close(short[0], hf(torch.tensor([[5, 6]])).logits[0, -1],
+                                       atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(long, hf(ids).logits[:, -1], atol=1e-4, rtol=1e-4)
+        with lm.generate(ids, max_new_tokens=3, do_sample=False) as tracer:
+            out = tracer.result.save()
+        assert torch.equal(out, hf.generate(ids, max_new_tokens=3, do_sample=False,
+                                            attention_mask=torch.ones_like(ids),
+                                            pad_token_id=0))
+        with pytest.raises(InputError, match="needs a tokenizer"):
+            with lm.trace("hello world"):
+                lm.output.save()
 
     def test_missing_pad_token_uses_eos_with_a_warning(self, model_dirs, arch):
         with pytest.warns(UserWarning, match="no pad token; using its eos token '<eos>'"):
