@@ -43,16 +43,18 @@ class OutOfOrderError(NNsightError, RuntimeError):
     """A body asked for a module value whose moment has already passed in this forward."""
 
 
-class MissedModuleError(NNsightError, RuntimeError):
-    """A body waited for a module call that did not happen before the forward ended."""
+class MissedModuleError(NNsightError, RuntimeError, ValueError):
+    """A body waited for a module call that did not happen before the forward ended (a
+    ValueError too, as nnsight 0.8 raises)."""
 
 
 class ModulePathError(NNsightError, AttributeError):
     """An attribute or submodule name that the wrapped module does not have."""
 
 
-class OutsideTraceError(NNsightError, RuntimeError):
-    """A module value (``.output``, ``.input``, ...) was read where no trace body is running."""
+class OutsideTraceError(NNsightError, RuntimeError, ValueError):
+    """A module value (``.output``, ``.input``, ...) was read where no trace body is running
+    (a ValueError too, as nnsight 0.8 raises)."""
 
 
 class SourceUnavailableError(NNsightError, RuntimeError):

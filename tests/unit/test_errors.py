@@ -333,3 +333,14 @@ class TestMisplacedInvokes:
                 pass
         with pytest.raises(InvokeError, match=r"its trace is not running"):
             tracer.invoke(torch.randn(1, 6))
+
+
+def test_nnsight_code_catching_value_error_still_catches(seq, net, x8):
+    """nnsight 0.8 raises ValueError for a value read outside a trace and for a module call
+    that never happened; code written for it (``except ValueError``) catches ours too."""
+    with pytest.raises(ValueError, match="outside a trace body"):
+        NNsight(seq)[0].output
+    model = NNsight(net)
+    with pytest.raises(ValueError, match="never ran"):
+        with model.trace(x8):
+            model.unused.output
