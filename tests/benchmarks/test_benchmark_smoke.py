@@ -56,3 +56,17 @@ def test_forward_on_greenlets_runs_and_checks_the_results():
     assert len(rows) == 1 and len(rows[0]) == 4, proc.stdout
     hot, cold = rows[0][3].split("/")
     assert float(hot) > 0 and float(cold) > 0, proc.stdout
+
+
+def test_phases_runs_and_checks_the_results():
+    """`benchmarks/phases.py` checks a trace's values against the plain forward and hooks,
+    then prints one row per phase of a trace, the trace against the plain forward, and the
+    hot / after-a-forward times of a few trivial steps; its timers come off at the end."""
+    proc = subprocess.run([sys.executable, "benchmarks/phases.py", "--only", "gpt2",
+                           "--rounds", "1"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for row in ("| entries and wrappers on |", "| the forward |", "| whole trace - plain forward |",
+                "| an empty call |"):
+        assert row in out, out
