@@ -170,24 +170,43 @@ class Envoy:
 
     @property
     def device(self):
-        """The module's own ``device`` where it has one (an HF model), else the device of its
-        first parameter or buffer (None for a module with neither): ``x.to(model.device)``."""
+        """The module's own ``device`` where it has one (an HF model, a module that sets
+        ``self.device``; a child module named ``device`` gives its Envoy), else the device of
+        its first parameter or buffer (None for a module with neither): ``x.to(model.device)``."""
+        own = self._own("device")
+        if own is not _NOT_OWN:
+            return own
         module = self._module
-        if getattr(type(module), "device", None) is not None:
-            return module.device
         for t in itertools.chain(module.parameters(), module.buffers()):
             return t.device
         return None
 
-    def get(self, path: str):
-        """The Envoy (or attribute, or value) at the dotted ``path`` under this one, as
-        nnsight's ``Envoy.get``: ``model.get("transformer.h.0.mlp")``, and in a body
-        ``model.get("transformer.h.0.mlp.output")``. Digits index containers."""
+    @property
+    def get(self):
+        """``model.get(path)``: the Envoy (or attribute, or value) at the dotted ``path`` under
+        this one, as nnsight's ``Envoy.get``: ``model.get("transformer.h.0.mlp")``, and in a
+        body ``model.get("transformer.h.0.mlp.output")``; digits index containers. A module's
+        own ``get`` (a method, a child module named so) comes first."""
+        own = self._own("get")
+        return self._get_path if own is _NOT_OWN else own
+
+    def _get_path(self, path: str):
         env = self
         for part in path.split(".") if path else ():
             env = env[int(part)] if part.isdigit() and isinstance(env, Envoy) else \
                 env._reach(part) if isinstance(env, Envoy) else getattr(env, part)
         return env
+
+    def _own(self, name: str):
+        """What ``name`` is on the module itself, a child module's Envoy first (_NOT_OWN where
+        it is neither a child nor an attribute): Envoy names that a module may also have."""
+        module = self.__dict__["_module"]
+        if module._modules.get(name) is not None:
+            return self._sub(name)
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            return _NOT_OWN
 
     def next(self, step: int = 1) -> "Envoy":
         """Address this module's next call (reused modules, generation steps). Returns self."""
@@ -472,3 +491,4 @@ class Envoy:
 
 
 _EMPTY_TREE = Tree(torch.nn.Module())
+_NOT_OWN = object()  # Envoy._own: the module has no such child or attribute

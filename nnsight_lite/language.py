@@ -467,10 +467,12 @@ class Generator(Tracer):
     def _interleave(self, inter, made: list, args: tuple, kwargs: dict):
         # an open `for step in tracer.all():` has one step per new token, as nnsight's has: a
         # body whose later steps read nothing ends its loop after the last token
-        n = self._gen_kwargs.get("max_new_tokens")
-        if n is None:
-            n = getattr(getattr(self.model._module, "generation_config", None),
-                        "max_new_tokens", None)
+        gen = self._gen_kwargs
+        n = gen.get("max_new_tokens")
+        for config in (gen.get("generation_config"),  # (as HF takes them: the call's first)
+                       getattr(self.model._module, "generation_config", None)):
+            if n is None:
+                n = getattr(config, "max_new_tokens", None)
         inter.steps = n if isinstance(n, int) else None
         return super()._interleave(inter, made, args, kwargs)
 

@@ -702,6 +702,22 @@ class TestGenerate:
         assert seen == list(range(k))
         assert torch.equal(ids, plain)
 
+    def test_an_open_loop_follows_the_generation_config_given_to_generate(self, lm, hf):
+        """A ``generation_config=`` given to generate sets the steps of an open loop before
+        the model's own config (whose max_new_tokens would cut the loop short)."""
+        enc = lm.tokenizer(PROMPTS[0], return_tensors="pt")
+        hf.generation_config.max_new_tokens = 2
+        lm._module.generation_config.max_new_tokens = 2
+        config = transformers.GenerationConfig(max_new_tokens=5, min_new_tokens=5,
+                                               do_sample=False, pad_token_id=1)
+        with lm.generate(PROMPTS[0], generation_config=config) as tracer:
+            seen = nnsight_lite.save([])
+            for step in tracer.all():
+                seen.append(lm.lm_head.output.shape[1])
+            ids = tracer.result.save()
+        assert len(seen) == 5
+        assert torch.equal(ids, hf.generate(**enc, generation_config=config))
+
     def test_eos_ends_open_loops_and_code_after_runs(self, lm, hf):
         """Generation stopped early by EOS ends tracer.all() / iter[:] loops; the code after
         the loop runs and reads model.generator.output."""

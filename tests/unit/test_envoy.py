@@ -363,3 +363,41 @@ def test_device_get_and_model_as_nnsight_has_them(net, x8):
         out = model.get("layers.1.output").save()
     seen, _ = record(net, ["layers.1"], x8)
     torch.testing.assert_close(out, seen[("layers.1", 0)])
+
+
+def test_a_modules_own_device_and_get_come_first(x8):
+    """A module's own ``device`` attribute or ``get`` method, and children named ``device``
+    or ``get``, are what the Envoy gives for those names (before the Envoy's own ``device``
+    and ``get(path)``), in a trace too."""
+
+    class Own(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.device = "meant-for-elsewhere"
+
+        def get(self, key):
+            return {"a": 1}[key]
+
+        def forward(self, x):
+            return self.lin(x)
+
+    class Named(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.device = torch.nn.Linear(8, 8)
+            self.parts = torch.nn.ModuleDict({"get": torch.nn.Linear(8, 8)})
+
+        def forward(self, x):
+            return self.parts["get"](self.device(x))
+
+    own = NNsight(Own())
+    assert own.device == "meant-for-elsewhere" and own.get("a") == 1
+    net = Named()
+    named = NNsight(net)
+    assert named.device._module is net.device and named.parts.get._module is net.parts["get"]
+    with named.trace(x8):
+        first = named.device.output.save()
+        second = named.parts.get.output.save()
+    torch.testing.assert_close(first, net.device(x8))
+    torch.testing.assert_close(second, net(x8))
