@@ -490,7 +490,7 @@ def _iterate(item, form: str):
             itertools.count(start, step)
     else:
         steps = iter(list(item))
-    return _Steps(_iteration(med, steps), form)
+    return _Steps(_iteration(med, steps, form if type(steps) is itertools.count else None), form)
 
 
 class _Steps:
@@ -564,15 +564,34 @@ class _ShiftedOffsets(dict):
             self[slot] += step
 
 
-def _iteration(med, steps):
+def _iteration(med, steps, open_form=None):
+    """The steps of a ``tracer.iter`` / ``tracer.all()`` loop. An open one (``open_form``: how
+    the user wrote it) ends when a read finds no further call; a body whose steps read nothing
+    never gets there, so after ``_IDLE_STEPS`` such steps in a row it raises instead of
+    spinning (generate bounds its open loops by max_new_tokens instead)."""
     prev = (med.iteration, med.iter_depth)
     med.iter_depth += 1
+    idle = 0
     try:
         for i in steps:
             med.iteration = i
+            med.pending_envoy = None  # (set again by each read that waits for the model)
             yield i
+            if open_form is not None:
+                idle = idle + 1 if med.pending_envoy is None else 0
+                if idle >= _IDLE_STEPS:
+                    raise NNsightError(
+                        f"`for step in {open_form}:` ran {idle:,} steps in a row without "
+                        f"reading a module value (at {user_location()}). An open loop over a "
+                        "module's calls ends when a read finds no further call, so steps "
+                        "that read nothing never reach the end: bound the loop "
+                        "(tracer.iter[:n], tracer.iter[k]) or read a module in every step."
+                    )
     finally:
         med.iteration, med.iter_depth = prev
+
+
+_IDLE_STEPS = 10_000_000  # read-less steps in a row that end an open loop with an error (~1 s)
 
 
 __all__ = ["Tracer", "Invoker"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nnsight_lite
-from nnsight_lite import NNsight
+from nnsight_lite import NNsight, NNsightError
 from tests.helpers import record
 
 
@@ -436,3 +436,22 @@ class TestNestedBlocksNames:
         torch.testing.assert_close(o_sum, probe_net[0](seq[0](x)).sum())
         torch.testing.assert_close(g_sum, h_ref.grad.sum())
         assert "o" not in locals() and "g" not in locals()  # unsaved: gone after the trace
+
+
+def test_an_open_loop_whose_steps_read_nothing_raises_instead_of_spinning(seq, monkeypatch):
+    """In a trace (no generation length to bound it), ``for step in tracer.all():`` whose
+    steps stop reading modules could never reach the end of the model's calls: after a long
+    run of such steps it raises saying so (it spun for ever), and the model is left clean."""
+    from nnsight_lite import tracing
+
+    monkeypatch.setattr(tracing, "_IDLE_STEPS", 1000)
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    with pytest.raises(NNsightError, match="1,000 steps in a row without reading a module"):
+        with model.trace(x) as tracer:
+            for step in tracer.all():
+                if step == 0:
+                    h = model[0].output.save()
+    with model.trace(x):
+        out = model.output.save()
+    torch.testing.assert_close(out, seq(x))
