@@ -16,7 +16,6 @@ from .capture import (
     INLINE_NAME,
     NAME_NAME,
     SAVE_NAME,
-    Scope,
     SkipBody,
     body_runs_inline,
     cancel_inline_skip,
@@ -143,9 +142,10 @@ class BodyContext:
         finally:
             stack.pop()
         target = frame.f_locals
-        # inside another body (a trace's, a backward block's, a session's) every name goes
-        # on, as in nnsight: only the outermost block keeps just what was saved
-        if stack or (isinstance(target, Scope) and target.keep_all):
+        # inside another body (a trace's, a backward block's, a session's: its saves are on
+        # the stack) every name goes on, as in nnsight: only the outermost block keeps just
+        # what was saved
+        if stack:
             values = dict(scope.own_items())
         else:
             values = saved_only(dict.items(scope), saved)

@@ -192,9 +192,8 @@ class Envoy:
 
     def _get_path(self, path: str):
         env = self
-        for part in path.split(".") if path else ():
-            env = env[int(part)] if part.isdigit() and isinstance(env, Envoy) else \
-                env._reach(part) if isinstance(env, Envoy) else getattr(env, part)
+        for part in path.split(".") if path else ():  # (a digit names a container's child)
+            env = env._reach(part) if isinstance(env, Envoy) else getattr(env, part)
         return env
 
     def _own(self, name: str):

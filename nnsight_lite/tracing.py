@@ -397,7 +397,6 @@ class Session(BodyContext):
         self._run_in_scope(frame, self._run)
 
     def _run(self, scope):
-        scope.keep_all = True
         try:
             exec(self._body.code, scope)
         except StopTrace:

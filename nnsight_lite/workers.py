@@ -57,7 +57,6 @@ class BodyGreenlet(greenlet.greenlet):
 
     mediator: "Mediator | None" = None  # the invoke body it runs now
     level = BODY  # RUNNER, BODY or GRADS: what it runs, and which nursery and pool it belongs to
-    pool = "idle"  # the name of its level's idle list in this thread's pool (set when made)
     grads = None  # or the backward.Backward whose body it runs now
     error: "BaseException | None" = None
 
@@ -142,8 +141,8 @@ def _new_worker(level: int = BODY) -> BodyGreenlet:
     w = nursery.switch()
     w.parent = here
     w.level = level
-    w.pool = name = _POOL_NAMES[level]
-    if getattr(_pool, name, None) is None:
+    name = _POOL_NAMES[level]
+    if getattr(_pool, name, None) is None:  # (so _release_worker finds its list)
         setattr(_pool, name, [])
     return w
 
@@ -278,9 +277,10 @@ def _release_worker(w: BodyGreenlet) -> None:
     w.mediator = None
     w.grads = None
     w.gr_context = None  # (the copy of the caller's context its job ran in, and what it holds)
-    # (its thread's list: a worker never leaves its thread. The worker holds the list's name,
-    # not the list, which holds it: a cycle of greenlets is not freed once their thread ends)
-    idle = getattr(_pool, w.pool)
+    # (its thread's list, made with the worker: a worker never leaves its thread. The worker
+    # does not hold the list, which holds it: a cycle of greenlets is not freed once their
+    # thread ends)
+    idle = getattr(_pool, _POOL_NAMES[w.level])
     if len(idle) < _POOL_MAX:
         idle.append(w)
 

@@ -29,12 +29,11 @@ class Scope(dict):
     names and what other invokes publish there, while its own bindings stay its own.
     """
 
-    __slots__ = ("_up", "_locals", "_globals", "_builtins", "_on_missing", "keep_all", "_base")
+    __slots__ = ("_up", "_locals", "_globals", "_builtins", "_on_missing", "_base")
 
     def __init__(self, caller_locals, caller_globals, runtime: dict, on_missing):
         # (dict.__init__ is not called: with no arguments it does nothing)
         self._up = None  # for a child: the Scope it was made from, looked in first
-        self.keep_all = False  # a session's scope: traces inside it bind back every name
         self._on_missing = on_missing
         self._locals = caller_locals
         self._globals = caller_globals
@@ -78,7 +77,6 @@ class Scope(dict):
         parents'), then to where this one's fall back, asked directly: one ``__missing__`` call
         per name read, however deep the chain."""
         c = Scope.__new__(Scope)
-        c.keep_all = False
         c._on_missing = self._on_missing
         c._up = self
         c._locals = self._locals
