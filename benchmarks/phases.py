@@ -108,6 +108,7 @@ def models(only: "set | None"):
 
 
 def run_model(name, lm, hf, enc, layers, path, rounds: int) -> None:
+    from cases import with_hooks
     from nnsight_lite import save
 
     ids = enc["input_ids"]
@@ -131,12 +132,7 @@ def run_model(name, lm, hf, enc, layers, path, rounds: int) -> None:
     # (checked equal before timing: the empty trace's logits are the plain forward's, and the
     # saved layer outputs are what forward hooks on the layers see)
     seen = []
-    handles = [m.register_forward_hook(lambda m, i, o: seen.append(o)) for m in layers]
-    try:
-        ref = plain()
-    finally:
-        for h in handles:
-            h.remove()
+    ref = with_hooks(plain, layers, lambda m, i, o: seen.append(o))
     if not torch.equal(empty().logits, ref) or not all(
             torch.equal(a, b) for a, b in zip(save_all(), seen)):
         raise SystemExit(f"{name}: a trace's values differ from the plain forward's")
