@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from nnsight_lite import NNsight, NNsightError
+
+
+@contextmanager
+def paused_in_another_thread(run, started, proceed):
+    """Run ``run`` in a thread until it sets ``started`` (it then waits mid-trace for
+    ``proceed``); after the block, let it go on and join it."""
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert started.wait(10)
+        yield
+    finally:
+        proceed.set()
+        t.join(10)
 
 
 def test_same_model_in_two_threads_is_refused(seq):
@@ -24,16 +39,10 @@ def test_same_model_in_two_threads_is_refused(seq):
             out = model.output.save()
         result["out"] = out
 
-    t = threading.Thread(target=worker)
-    t.start()
-    try:
-        assert started.wait(10)
+    with paused_in_another_thread(worker, started, proceed):
         with pytest.raises(NNsightError, match="being traced by another thread"):
             with model.trace(x):
                 h = model.output.save()
-    finally:
-        proceed.set()
-        t.join(10)
     torch.testing.assert_close(result["out"], seq(x))
     assert all("forward" not in m.__dict__ for m in seq.modules())
 
@@ -103,16 +112,10 @@ def test_two_models_sharing_modules_in_two_threads_are_refused():
             out = a[0].output.save()
         result["a"] = out
 
-    t = threading.Thread(target=run_a)
-    t.start()
-    try:
-        assert started.wait(10)
+    with paused_in_another_thread(run_a, started, proceed):
         with pytest.raises(NNsightError, match="another thread is tracing"):
             with b.trace(x):
                 h = b[1].output.save()
-    finally:
-        proceed.set()
-        t.join(10)
     torch.testing.assert_close(result["a"], shared(x))
     assert all("forward" not in m.__dict__ and "_compiled_call_impl" not in m.__dict__
                for m in whole.modules())
