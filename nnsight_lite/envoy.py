@@ -208,13 +208,10 @@ class Envoy:
             return _NOT_OWN
 
     def next(self, step: int = 1) -> "Envoy":
-        """Address this module's next call (reused modules, generation steps). Returns self."""
-        med = current_mediator(self, "next()")
-        slot = med.interleaver.slot_of(self)
-        offsets = med.offsets
-        if not offsets:
-            offsets = med.offsets = {}
-        offsets[slot] = offsets.get(slot, 0) + step
+        """Move every later read of this body to the next call (generation step), as
+        ``tracer.next()`` does: nnsight 0.5+'s alias. ``model.shared.next().output`` is a reused
+        module's second call. Returns self."""
+        current_mediator(self, "next()").iteration += step
         return self
 
     @property

@@ -48,7 +48,6 @@ _Tensor = torch.Tensor
 INPUT = "input"
 _DONE = object()
 _CONTAINERS = (dict, list)  # narrowed values whose members a body may set (see serve)
-_NO_OFFSETS: dict = {}  # shared and never written: Envoy.next() gives a mediator its own
 _MISSING = object()
 #: ``depth`` > 0 while a trace without inputs runs its body to collect invokes (this thread)
 _collecting = threading.local()
@@ -192,7 +191,7 @@ class Mediator:
 
     __slots__ = ("interleaver", "index", "batch", "scope", "run_fn", "greenlet", "parent", "done",
                  "pending", "pending_envoy", "cur_key", "cur_value", "replaced", "skip_value",
-                 "tls", "iteration", "iter_depth", "offsets", "shared", "snapshot", "assigned")
+                 "tls", "iteration", "iter_depth", "shared", "snapshot", "assigned")
 
     inline = False  # True: the body runs in the user's own greenlet (nosource.py), never unwound
 
@@ -212,9 +211,8 @@ class Mediator:
         self.replaced = False
         self.skip_value = _MISSING
         self.tls = None
-        self.iteration = 0
+        self.iteration = 0  # the call every read addresses: a loop's step, moved by .next()
         self.iter_depth = 0
-        self.offsets = _NO_OFFSETS  # {slot: calls skipped by .next()}, made on first use
         self.shared = None  # the trace's scope, where this invoke publishes what it binds
         self.snapshot = None  # the trace body's names as of this invoke
         self.assigned = ()  # the names this invoke's body may bind (what publish copies)
@@ -343,7 +341,7 @@ class Mediator:
         slot = inter.slots.get(id(envoy._module))  # (Interleaver.slot_of's usual case, inlined)
         if slot is None:
             slot = inter.slot_of(envoy)  # an operation's slot, or the error saying why not
-        call = (self.iteration if self.iter_depth else 0) + self.offsets.get(slot, 0)
+        call = self.iteration
         cur = self.cur_key
         if cur is not None and cur[0] is slot and cur[1] is kind and cur[2] == call:
             return self.cur_value
@@ -366,8 +364,7 @@ class Mediator:
         cur = self.cur_key  # (get's first answer, in line: a set mostly follows the read)
         if (cur is not None and cur[1] is kind
                 and cur[0] is self.interleaver.slots.get(id(envoy._module))
-                and cur[2] == ((self.iteration if self.iter_depth else 0)
-                               + self.offsets.get(cur[0], 0))):
+                and cur[2] == self.iteration):
             old = self.cur_value
         else:
             old = self.get(envoy, kind)

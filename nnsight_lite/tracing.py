@@ -108,7 +108,8 @@ class Tracer(BodyContext):
 
     def next(self, step: int = 1) -> "Tracer":
         """Address the next call of every module this body reads from here on (generation
-        step 1, then 2, ...), as ``module.next()`` does for one module. Returns the tracer.
+        step 1, then 2, ...); ``module.next()`` is the same. Inside a ``tracer.iter`` loop it
+        moves the rest of the current step only. Returns the tracer.
 
         Example::
 
@@ -117,11 +118,7 @@ class Tracer(BodyContext):
                 tracer.next()
                 h1 = model.lm_head.output.save()        # step 1
         """
-        med = current_mediator(None, "tracer.next()")
-        offsets = med.offsets
-        if not isinstance(offsets, _ShiftedOffsets):
-            offsets = med.offsets = _ShiftedOffsets(offsets)
-        offsets.shift(step)
+        current_mediator(None, "tracer.next()").iteration += step
         return self
 
     def log(self, *values) -> None:
@@ -539,28 +536,6 @@ def _once(manager, bind: bool):
 
 
 RUNTIME[ITER_BLOCK_NAME] = _block_steps
-
-
-class _ShiftedOffsets(dict):
-    """A mediator's ``offsets`` ({slot: calls skipped}) after ``tracer.next()``: every slot,
-    listed or not, is shifted by ``base``. Only a body that calls ``tracer.next()`` has one."""
-
-    __slots__ = ("base",)
-
-    def __init__(self, offsets):
-        super().__init__(offsets)
-        self.base = 0
-
-    def __bool__(self) -> bool:  # Envoy.next() replaces an empty (falsy) table
-        return True
-
-    def get(self, slot, default=0):
-        return dict.get(self, slot, self.base)
-
-    def shift(self, step: int) -> None:
-        self.base += step
-        for slot in self:
-            self[slot] += step
 
 
 def _iteration(med, steps, open_form=None):

@@ -10,6 +10,7 @@
     reference(module, x, ops)  what plain forward hooks see and do for the same ops (optionally
                                with outputs patched to values carried over from another run)
     run_op(op, envoys, ...)    what a trace body does for one Op (called from literal bodies)
+    rewind(env, offsets)       back to call 0 after a program's .next() moves
     leftovers(module)          hooks, traced forwards, suspended body greenlets left behind
     torch_modes()              grad / inference / autocast state, to compare before and after
 
@@ -401,12 +402,20 @@ def replaced(op: Op, value):
 
 
 def address(env, op: Op, offsets: dict):
-    """Point ``env`` at call ``op.call`` of its module (``.next()`` moves a body's call index;
-    a negative step moves it back, which out-of-order programs need)."""
-    cur = offsets.get(op.path, 0)
+    """Point ``env`` at call ``op.call`` of its module. ``.next()`` moves the call index of
+    every later read in the body (``offsets[None]`` keeps it); a negative step moves it back,
+    which out-of-order programs need."""
+    cur = offsets.get(None, 0)
     if op.call != cur:
         env.next(op.call - cur)
-        offsets[op.path] = op.call
+        offsets[None] = op.call
+    return env
+
+
+def rewind(env, offsets: dict):
+    """``env``, with the body's call index moved back to call 0 for the reads that follow."""
+    if offsets.get(None):
+        env.next(-offsets.pop(None))
     return env
 
 

@@ -623,6 +623,19 @@ class TestGenerate:
         assert ids.shape[1] == tokenize(lm, PROMPTS[:1])["input_ids"].shape[1] + 3
         assert plain == seen == [None] * 3
 
+    def test_module_next_moves_the_whole_body_to_the_next_step(self, lm, hf):
+        """nnsight 0.5+'s form: after ``h[-1].next().output`` the lm_head read is step 1's,
+        HF generate's logits at step 1, not step 0's (which has already run)."""
+        enc = lm.tokenizer(PROMPTS[0], return_tensors="pt")
+        ref = plain_generate(hf, enc, 3, return_dict_in_generate=True, output_logits=True).logits
+        layers = lm.transformer.h if hasattr(lm, "transformer") else lm.model.layers
+        with lm.generate(PROMPTS[0], max_new_tokens=3, do_sample=False):
+            first = lm.lm_head.output[:, -1].save()
+            layers[-1].next().output
+            second = lm.lm_head.output[:, -1].save()
+        torch.testing.assert_close(first, ref[0])
+        torch.testing.assert_close(second, ref[1])
+
     def test_steps_are_calls(self, lm, hf):
         """Step i's lm_head output is HF generate's logits at step i, read with .next(),
         tracer.iter[i], tracer.iter[a:b] and tracer.all()."""

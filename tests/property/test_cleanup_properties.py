@@ -42,6 +42,7 @@ from tests.strategies import (
     model_specs,
     never_events,
     op_at,
+    rewind,
     run_op,
     run_program,
     seeds,
@@ -253,7 +254,7 @@ class TestBackwardFaults:
                     offsets = {}
                     for op in ops:
                         vals.append(_tensor(envoys, op, offsets))
-                    out = model.output.save()
+                    out = rewind(model, offsets).output.save()
                 loss = (out ** 2).sum()
                 if where == "hook":
                     loss.register_hook(hook)
@@ -267,7 +268,7 @@ class TestBackwardFaults:
                     offsets = {}
                     for op in ops:
                         vals.append(_tensor(envoys, op, offsets))
-                    loss = (model.output ** 2).sum()
+                    loss = (rewind(model, offsets).output ** 2).sum()
                     if where == "hook":
                         loss.register_hook(hook)
                     with loss.backward():

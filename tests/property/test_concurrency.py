@@ -27,6 +27,7 @@ from tests.strategies import (
     model_specs,
     programs,
     reference,
+    rewind,
     run_op,
     seeds,
 )
@@ -43,7 +44,7 @@ def _trace_loop(model, module, x, progs, envoys, out, errors, barrier):
                 offsets = {}
                 for op in program:
                     run_op(op, envoys, offsets, results)
-                final = model.output.save()
+                final = rewind(model, offsets).output.save()
             out.append((program, results, final))
     except BaseException as exc:  # reported by the main thread
         errors.append(exc)

@@ -295,6 +295,42 @@ class TestStopAndCalls:
         torch.testing.assert_close(first, seen[("shared", 0)])
         torch.testing.assert_close(second, seen[("shared", 1)])
 
+    def test_next_moves_every_later_read_of_the_body(self):
+        """``module.next()`` is nnsight 0.5+'s alias of ``tracer.next()``: after ``a.next()``
+        a read of another module addresses that module's second call too, and inside a
+        ``tracer.iter`` loop the move lasts for the rest of the step only."""
+        torch.manual_seed(0)
+
+        class Twice(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(4, 4)
+                self.b = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                return self.b(self.b(self.a(self.a(x))))
+
+        net, x = Twice(), torch.randn(2, 4)
+        seen, _ = record(net, ["a", "b"], x)
+        model = NNsight(net)
+        with model.trace(x):
+            a1 = model.a.next().output.save()
+            b1 = model.b.output.save()  # b's call 1 (its call 0 is still ahead, but not asked)
+        torch.testing.assert_close(a1, seen[("a", 1)])
+        torch.testing.assert_close(b1, seen[("b", 1)])
+        with model.trace(x) as tracer:
+            got = nnsight_lite.save([])
+            for step in tracer.iter[0:2]:
+                got.append(model.a.output)
+                if step == 0:
+                    tracer.next()
+                    got.append(model.a.output)  # still step 0's move: a's call 1
+        assert [torch.equal(g, seen[("a", c)]) for g, c in zip(got, [0, 1, 1])] == [True] * 3
+        with pytest.raises(MissedModuleError, match=r"model\.b\.output \(call 2\)"):
+            with model.trace(x):
+                model.a.next().output
+                model.b.next().output  # every read is now at call 2: b ran twice
+
     def test_iter_and_all(self, net, x8):
         model = NNsight(net)
         with model.trace(x8) as tracer:
