@@ -334,8 +334,10 @@ class Envoy:
         return call
 
     def modules(self, include_fn=None, names: bool = False) -> list:
-        """Every Envoy in this subtree, this one first (``names=True``: ``(path, envoy)`` pairs,
-        paths as ``named_modules()`` gives them). ``include_fn(envoy)`` filters.
+        """Every Envoy in this subtree, this one first, in ``torch.nn.Module.modules()`` order
+        (``names=True``: ``(path, envoy)`` pairs, each path the Envoy's ``.path``, nnsight's
+        ``"model.transformer.h.0"``, which is also its key in a ``tracer.cache()``).
+        ``include_fn(envoy)`` filters.
 
         Example::
 
@@ -343,20 +345,21 @@ class Envoy:
         """
         out = []
         seen = set()
-        stack = [("", self)]
+        stack = [self]
         while stack:
-            rel, env = stack.pop()
+            env = stack.pop()
             if id(env._module) in seen:
                 continue
             seen.add(id(env._module))
             if include_fn is None or include_fn(env):
-                out.append((rel, env) if names else env)
-            kids = [(n, env._sub(n)) for n, m in env._module._modules.items() if m is not None]
-            stack.extend((f"{rel}.{n}" if rel else n, e) for n, e in reversed(kids))
+                out.append((env.path, env) if names else env)
+            stack.extend(reversed([env._sub(n) for n, m in env._module._modules.items()
+                                   if m is not None]))
         return out
 
     def named_modules(self, *args, **kwargs) -> list:
-        """``modules(names=True)``: ``(path, envoy)`` pairs for this subtree."""
+        """``modules(names=True)``: ``(path, envoy)`` pairs for this subtree, paths as
+        ``.path`` gives them (``"model.transformer.h.0"``, the ``tracer.cache()`` keys)."""
         return self.modules(*args, names=True, **kwargs)
 
     def children(self) -> list:

@@ -192,7 +192,19 @@ class TestModules:
         envs = model.modules()
         assert all(isinstance(e, Envoy) for e in envs)
         assert [e._module for e in envs] == list(net.modules())
-        assert [p for p, _ in model.named_modules()] == [p for p, _ in net.named_modules()]
+        # nnsight's paths ("model" + the torch path), which are also the cache's keys
+        assert [p for p, _ in model.named_modules()] == [
+            "model" + (f".{p}" if p else "") for p, _ in net.named_modules()]
+        assert [p for p, _ in model[0].named_modules()] == ["model.0"]
+        x = torch.randn(2, 4)
+        h0 = net[0](x)
+        want = {"model.0": h0, "model.1": h0.relu(), "model.2": net[2](h0.relu())}
+        want["model"] = want["model.2"]
+        with model.trace(x) as tracer:
+            cache = tracer.cache()
+        for path, env in model.named_modules():
+            assert env.path == path
+            torch.testing.assert_close(cache[path].output, want[path])
         assert [c._module for c in model.children()] == list(net.children())
 
     def test_include_fn_and_reading_outputs_of_the_envoys(self):
