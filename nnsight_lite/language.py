@@ -162,13 +162,16 @@ class LanguageModel(NNsight):
     - ``automodel``: the auto class to load with (default ``AutoModelForCausalLM``).
 
     A tokenizer without a pad token gets its eos token as pad token, with a warning (what HF
-    users do); padding is always on the left.
+    users do); padding is always on the left, and a tokenizer passed in is set to pad on the
+    left (``model.tokenizer(prompts, padding=True)`` keeps each last token at ``[:, -1]``).
     """
 
     def __init__(self, model, *, tokenizer=None, dispatch: bool = False, automodel=None,
                  tokenizer_kwargs: dict | None = None, rename: dict | None = None,
                  envoys: dict | None = None, **kwargs):
         d = self.__dict__
+        if tokenizer is not None and getattr(tokenizer, "padding_side", "left") != "left":
+            tokenizer.padding_side = "left"  # as nnsight does to a tokenizer it is given
         d["_load_kwargs"] = kwargs
         d["_automodel"] = automodel
         if isinstance(model, (str, os.PathLike)):

@@ -898,3 +898,14 @@ def test_a_loaded_tokenizer_pads_on_the_left(lm, hf, model_dirs, arch):
         warnings.simplefilter("ignore", UserWarning)
         right = LanguageModel(model_dirs[arch], tokenizer_kwargs={"padding_side": "right"})
     assert right.tokenizer.padding_side == "right"
+    # a tokenizer passed in is set to pad on the left too, as nnsight does
+    given = make_tokenizer()
+    given.padding_side = "right"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        wrapped = LanguageModel(hf, tokenizer=given)
+    assert wrapped.tokenizer is given and given.padding_side == "left"
+    enc = given([short, long], return_tensors="pt", padding=True)
+    with wrapped.trace(enc["input_ids"], attention_mask=enc["attention_mask"]):
+        again = wrapped.lm_head.output[:, -1].save()
+    torch.testing.assert_close(again, last)
