@@ -43,9 +43,10 @@ class OutOfOrderError(NNsightError, RuntimeError):
     """A body asked for a module value whose moment has already passed in this forward."""
 
 
-class MissedModuleError(NNsightError, RuntimeError, ValueError):
-    """A body waited for a module call that did not happen before the forward ended (a
-    ValueError too, as nnsight 0.8 raises)."""
+class MissedModuleError(OutOfOrderError, ValueError):
+    """A body waited for a module call that did not happen before the forward ended (the
+    forward ran past it: an OutOfOrderError, as nnsight 0.8 raises after a skip or a stop, and
+    a ValueError, as it raises for a module that never runs)."""
 
 
 class ModulePathError(NNsightError, AttributeError):

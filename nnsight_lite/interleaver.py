@@ -156,7 +156,7 @@ class Interleaver:
         self.serving = None
         self.name_waiters: list[Mediator] = []
         self.finished = False
-        self.stopped_early = False
+        self.stopped_early = None  # where tracer.stop() ended the forward ("file:line")
         self.sources = None  # source.SourceRun: forwards running instrumented in this trace
         self._bulk = None  # the plan's _Bulk when this trace swapped forwards all at once
         self.held = []  # (Envoy __dict__, child name, child Envoy) put there for this trace
@@ -257,15 +257,14 @@ class Interleaver:
             except StopTrace as exc:
                 if exc.tracer is not None and exc.tracer._inter is not self:
                     raise  # an enclosing trace's tracer.stop(), called in a body of this one
-                self.stopped_early = True
+                self.stopped_early = exc.where
                 output = None
             except Exception as exc:
                 if self.reshaped:
                     note_reshaped(exc, self.reshaped)
                 raise
             self.finished = True
-            if not self.stopped_early:
-                self._finish()
+            self._finish()  # (after a stop too: a body still waiting is told why)
             return output
         finally:
             self.finished = True

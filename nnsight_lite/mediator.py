@@ -61,9 +61,10 @@ class StopTrace(BaseException):
     in the body of a trace nested in ``outer``'s passes through the inner trace.
     """
 
-    def __init__(self, tracer=None):
+    def __init__(self, tracer=None, where: str = "<unknown>"):
         super().__init__()
         self.tracer = tracer
+        self.where = where  # the user's line that called stop()
 
     def ends(self, tracer) -> bool:
         """Whether this stop is ``tracer``'s to take."""
@@ -407,7 +408,9 @@ class Mediator:
             where = user_location(self.greenlet.gr_frame)
         what = f"{path}.{kind}" + (f" (call {call})" if call else "")
         if self.interleaver.stopped_early:
-            reason = "the forward was stopped (tracer.stop() or an error) before it ran"
+            reason = (f"tracer.stop() at {self.interleaver.stopped_early} ended the forward "
+                      "before it ran. Read it before the stop, or stop after the last read "
+                      "of every invoke")
         elif slot.calls == 0:
             reason = (
                 f"{path} never ran in this forward: the model's forward does not call it "

@@ -85,8 +85,9 @@ class Tracer(BodyContext):
         return InvokeError(f"tracer.invoke(...) at {where} cannot add an invoke here: {why}")
 
     def stop(self) -> None:
-        """End the model's forward here. Values saved so far are kept; later modules do not run."""
-        raise StopTrace(self)
+        """End the model's forward here. Values saved so far are kept; later modules do not run,
+        and a read of one by another invoke raises ``MissedModuleError`` saying so."""
+        raise StopTrace(self, user_location())
 
     def cond(self, *args, **kwargs):
         """Old nnsight idiom: bodies run eagerly here, so a plain ``if`` does the job."""

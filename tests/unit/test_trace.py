@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nnsight_lite
-from nnsight_lite import NNsight, NNsightError
+from nnsight_lite import MissedModuleError, NNsight, NNsightError, OutOfOrderError
 from tests.helpers import record
 
 
@@ -260,6 +260,32 @@ class TestStopAndCalls:
                 tracer.stop()
         torch.testing.assert_close(first, seq[1](seq[0](x1)))
         torch.testing.assert_close(second, seq[1](seq[0](x2)))
+
+    def test_a_read_another_invoke_still_waits_for_after_a_stop_raises(self, seq):
+        """An invoke still waiting when another invoke's ``tracer.stop()`` ends the forward is
+        told so (as nnsight raises OutOfOrderError there): it named the stop's line and its
+        own, instead of ending silently and leaving its names unbound. ``tracer.result`` in an
+        empty invoke is such a read. No wrapper is left behind."""
+        model = NNsight(seq)
+        x = torch.randn(1, 6)
+        for late in ("later_module", "result"):
+            with pytest.raises(OutOfOrderError) as info:
+                with model.trace() as tracer:
+                    with tracer.invoke(x):
+                        first = model[1].output.save()
+                        tracer.stop()  # stop line
+                    with tracer.invoke():
+                        r = (model[3].output if late == "later_module" else tracer.result).save()
+            msg = str(info.value)
+            assert isinstance(info.value, MissedModuleError)
+            lines = open(__file__).read().splitlines()
+            stop_line = f"{__file__}:{lines.index(' ' * 24 + 'tracer.stop()  # stop line') + 1}"
+            assert msg.startswith("invoke 1 waited for model") and stop_line in msg, msg
+            assert "ended the forward before it ran" in msg
+        assert all("forward" not in m.__dict__ for m in seq.modules())
+        with model.trace(x):  # and the model traces as before
+            again = model[3].output.save()
+        torch.testing.assert_close(again, seq(x))
 
     def test_outer_stop_in_a_nested_trace_ends_the_outer_trace(self, seq):
         """``outer.stop()`` called in the body of a trace nested in ``outer``'s body ends the
