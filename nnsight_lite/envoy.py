@@ -14,6 +14,7 @@ import difflib
 import functools
 import itertools
 import threading
+import weakref
 
 import torch
 
@@ -111,6 +112,7 @@ class Envoy:
         d["_tree"] = tree if tree is not None else _EMPTY_TREE
         d["_items"] = {}  # envoy[key] -> (child Envoy, its name, the container's length)
         d["_subs"] = {}  # child name -> its Envoy (checked against the module at every use)
+        d["_parent"] = None  # a weak reference to the Envoy this one was reached from
 
     # ---- values
 
@@ -180,6 +182,35 @@ class Envoy:
         for t in itertools.chain(module.parameters(), module.buffers()):
             return t.device
         return None
+
+    @property
+    def devices(self) -> set:
+        """The devices of the module's parameters and buffers (``{device(type='cpu')}``)."""
+        own = self._own("devices")
+        if own is not _NOT_OWN:
+            return own
+        module = self._module
+        return {t.device for t in itertools.chain(module.parameters(), module.buffers())}
+
+    @property
+    def parent(self):
+        """The Envoy of the module this one is a child of (None for the model itself)."""
+        own = self._own("parent")
+        if own is not _NOT_OWN:
+            return own
+        ref = self.__dict__["_parent"]
+        return ref() if ref is not None else None
+
+    @property
+    def root(self):
+        """The Envoy of the whole model (``model``) this one belongs to."""
+        own = self._own("root")
+        if own is not _NOT_OWN:
+            return own
+        env = self
+        while (ref := env.__dict__["_parent"]) is not None and ref() is not None:
+            env = ref()
+        return env
 
     @property
     def get(self):
@@ -320,7 +351,9 @@ class Envoy:
         tree = d["_tree"]
         mpath = f"{d['_mpath']}.{name}" if d["_mpath"] else name
         cls = tree.envoy_class(sub, mpath, Envoy) if tree.classes else Envoy
-        return cls(sub, path, tree, mpath)
+        env = cls(sub, path, tree, mpath)
+        env.__dict__["_parent"] = weakref.ref(self)  # (weak: no cycle, freed by refcount)
+        return env
 
     def _method(self, name: str, method):
         """``method`` of the module, returning this Envoy where it would return the module."""
@@ -477,6 +510,7 @@ class Envoy:
     def __getstate__(self):
         state = dict(self.__dict__)
         state.pop("_plan", None)  # per-process trace machinery (wrapper functions)
+        state.pop("_parent", None)  # (a weak reference: set again by the parent's setstate)
         return state
 
     def __setstate__(self, state):
@@ -486,6 +520,9 @@ class Envoy:
         for name, value in list(d.items()):  # (pickled when children were instance attributes)
             if not name.startswith("_") and isinstance(value, Envoy):
                 subs.setdefault(name, d.pop(name))
+        d.setdefault("_parent", None)
+        for sub in subs.values():
+            sub.__dict__["_parent"] = weakref.ref(self)
 
 
 

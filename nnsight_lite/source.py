@@ -516,6 +516,12 @@ class Source:
         raise AttributeError(f"{self._path}.{name} cannot be set; set .output or .input of an "
                              "operation instead")
 
+    @property
+    def names(self) -> list:
+        """The operation names, in the order the forward's code has them (nnsight's
+        ``.source.names``): ``[n for n in model.layer.source.names if "matmul" in n]``."""
+        return list(self._compiled().names)
+
     def __iter__(self):
         return (getattr(self, n) for n in self._compiled().names)
 
@@ -640,6 +646,11 @@ class FunctionSource:
                 f"print({self._path}) lists the operations of {self._comp.qualname}."
             )
         return OpEnvoy(self, name)
+
+    @property
+    def names(self) -> list:
+        """The operation names of the called function (as ``Source.names``)."""
+        return list(self._comp.names)
 
     def __iter__(self):
         return (getattr(self, n) for n in self._comp.names)

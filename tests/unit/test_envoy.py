@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import pickle
 import traceback
+import weakref
 
 import pytest
 import torch
@@ -41,6 +44,40 @@ class TestTree:
         with model.trace(x8) as tracer:
             cache = tracer.cache(modules=[model.layers[1]])
         assert torch.equal(cache[model.layers[1].path].output, seen[0])
+
+    def test_parent_root_and_devices(self, net, x8):
+        """``.parent`` is the Envoy one level up (reached through an alias too), ``.root`` the
+        model's; ``.devices`` the set of the module's parameter devices. A child module named
+        ``parent`` comes first, as a module's own names do. Both survive pickling, and the
+        back reference keeps nothing alive (the wrapper is freed by reference counting)."""
+        model = NNsight(net, rename={"layers": "blocks"})
+        assert model.parent is None and model.root is model
+        assert model.blocks[1].parent is model.layers and model.layers.parent is model
+        assert model.layers[2].root is model and model.block.parent is model
+        assert model.layers[0].devices == {torch.device("cpu")} == model.devices
+        assert NNsight(torch.nn.ReLU()).devices == set()
+        with model.trace(x8):  # read through a parent inside a body
+            h = model.layers[1].parent[1].output.save()
+        torch.testing.assert_close(h, net.layers[1](net.act(net.layers[0](
+            net.block(net.shared(net.act(net.inp(x8))))[0]))))
+        again = pickle.loads(pickle.dumps(model))
+        assert again.layers[0].parent is again.layers and again.layers[0].root is again
+
+        class Holder(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.parent = torch.nn.Linear(2, 2)
+
+        held = NNsight(torch.nn.Sequential(Holder()))
+        assert held[0].parent._module is held._module[0].parent
+        ref = weakref.ref(model)
+        leaf = weakref.ref(model.layers[0])
+        gc.disable()
+        try:
+            del model, h, again
+            assert ref() is None and leaf() is None
+        finally:
+            gc.enable()
 
     def test_sequential_root(self, seq):
         model = NNsight(seq)

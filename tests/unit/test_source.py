@@ -78,6 +78,7 @@ class TestNames:
         assert names == ["self_frames_append_0", "self_lin_0", "torch_relu_0", "torch_relu_1",
                          "torch_tanh_0", "scaled_scores_0", "torch_matmul_0", "self_lin_1",
                          "self_lin_1_sum_0"]
+        assert NNsight(block).source.names == names  # (nnsight's .source.names)
 
     def test_print_shows_each_name_beside_its_line(self, block):
         """print(envoy.source) shows the forward's lines, each op's name on its line; an op
@@ -299,10 +300,11 @@ class TestNested:
         with model.trace(x):
             inner = model.source.scaled_scores_0.source
             names = nnsight_lite.save([op.name for op in inner])
+            listed = nnsight_lite.save(inner.names)
             m = inner.torch_matmul_0.output.save()
             inner.torch_softmax_0.output[:] = 0.25
             out = model.output.save()
-        assert names == ["k_transpose_0", "torch_matmul_0", "torch_softmax_0"]
+        assert names == ["k_transpose_0", "torch_matmul_0", "torch_softmax_0"] == listed
         h = torch.relu(block.lin(x)) + torch.relu(-block.lin(x))
         torch.testing.assert_close(m, h @ h.T)
         torch.testing.assert_close(out, plain(block, x, scores=lambda s: torch.full_like(s, 0.25)))
