@@ -2,6 +2,7 @@
 
     NNsight        wrap a torch.nn.Module; ``with model.trace(x):`` runs a body interleaved
     LanguageModel  a Hugging Face causal LM + tokenizer: prompts in, ``.generate(...)``
+                   (``TransformersModel``: nnsight 0.8's name for it)
     Envoy          the module proxy inside bodies: .output .input .inputs .next() .skip()
     save(obj)      keep a non-tensor object after the trace (tensors have ``.save()``)
     apply, CONFIG  older nnsight names (a plain call; settings such as ``CONFIG.APP.DEBUG``)
@@ -20,7 +21,7 @@ Example::
 """
 
 from . import errors
-from .compat import CONFIG, apply
+from .compat import CONFIG, NNsightDeprecationWarning, apply
 from .envoy import Envoy, save
 from .errors import (
     BatchingError,
@@ -37,6 +38,7 @@ from .errors import (
 )
 from .language import Generator, LanguageModel
 from .model import NNsight
+from .modeling.transformers import TransformersModel
 from .tracing import Invoker, Tracer
 
 __version__ = "0.1.0"
@@ -44,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
     "NNsight",
     "LanguageModel",
+    "TransformersModel",
     "Generator",
     "Envoy",
     "Tracer",
@@ -51,6 +54,7 @@ __all__ = [
     "save",
     "apply",
     "CONFIG",
+    "NNsightDeprecationWarning",
     "errors",
     "NNsightError",
     "OutOfOrderError",

@@ -4,6 +4,8 @@
     CONFIG                       nnsight's settings object: ``CONFIG.APP.DEBUG`` (full tracebacks
                                  from bodies, like ``NNSIGHT_LITE_FULL_TRACEBACK=1``); the
                                  remote-API settings are stored and otherwise unused here
+    NNsightDeprecationWarning    nnsight's warning category, for code that filters it (nothing
+                                 here warns with it: the older forms simply work)
 
 Example::
 
@@ -27,6 +29,11 @@ def apply(fn, *args, **kwargs):
             top = nnsight_lite.apply(torch.topk, model.output, 3).indices.save()
     """
     return fn(*args, **kwargs)
+
+
+class NNsightDeprecationWarning(FutureWarning):
+    """nnsight's category for deprecated forms, so ``warnings.filterwarnings("ignore",
+    category=nnsight.NNsightDeprecationWarning)`` runs; nnsight_lite never warns with it."""
 
 
 class _Section:

@@ -98,3 +98,32 @@ def test_remote_local_trace_and_generate_on_a_language_model(model_dirs, hf, arc
         ids = tracer.result.save()
     assert torch.allclose(logits, want_logits, atol=1e-5)
     assert torch.equal(ids, want_ids)
+
+
+def test_nnsight_08_names_and_module_paths(model_dirs, hf, arch):
+    """nnsight 0.8's imports run with the package name changed: `TransformersModel` (the 0.8
+    tutorials' wrapper) loads the checkpoint and traces like plain HF, and the module paths
+    `modeling.language`, `modeling.transformers`, `modeling.base`, `intervention.envoy` and
+    `intervention.interleaver` give the package's own classes."""
+    import warnings as _warnings
+
+    import nnsight_lite
+    from nnsight_lite import TransformersModel
+    from nnsight_lite.intervention.envoy import Envoy
+    from nnsight_lite.intervention.interleaver import OutOfOrderError
+    from nnsight_lite.modeling.base import NNsight
+    from nnsight_lite.modeling.language import LanguageModel
+    from nnsight_lite.modeling.transformers import TransformersModel as Same
+
+    assert (Envoy, OutOfOrderError, NNsight, LanguageModel, Same) == (
+        nnsight_lite.Envoy, nnsight_lite.OutOfOrderError, nnsight_lite.NNsight,
+        nnsight_lite.LanguageModel, TransformersModel)
+    assert issubclass(nnsight_lite.NNsightDeprecationWarning, FutureWarning)
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
+        model = TransformersModel(model_dirs[arch], dispatch=True)
+    assert isinstance(model, LanguageModel)
+    enc = model.tokenizer(PROMPT, return_tensors="pt")
+    with model.trace(PROMPT):
+        logits = model.output.logits.save()
+    torch.testing.assert_close(logits, hf(**enc).logits)

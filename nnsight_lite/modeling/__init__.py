@@ -1,0 +1,7 @@
+"""nnsight's module paths for its model classes, so that ``from nnsight.modeling.language
+import LanguageModel`` runs with ``nnsight`` changed to ``nnsight_lite``.
+
+    base.NNsight                    the wrapper of any torch.nn.Module
+    language.LanguageModel          a Hugging Face causal LM and its tokenizer
+    transformers.TransformersModel  nnsight 0.8's name for the Hugging Face wrapper
+"""
