@@ -112,8 +112,8 @@ class Tree:
         if rel == (alias,):  # aliasing a name to itself: nothing to do
             return
         here = self.aliases.setdefault(where, {})
-        if here.get(alias) == rel:
-            return
+        if alias in here and _below(module, here[alias]) is _below(module, rel):
+            return  # (the same module by two names: a tied or shared child)
         clash = None
         if alias in reserved:
             clash = "an attribute of nnsight_lite's Envoy"
@@ -208,6 +208,13 @@ def _suffix(parts: tuple, key: str) -> bool:
         return False
     tail = parts[len(parts) - len(want):]
     return all(fnmatch.fnmatchcase(p, w) if w == "*" else p == w for p, w in zip(tail, want))
+
+
+def _below(module, rel: tuple):
+    """The module at the names ``rel`` below ``module``."""
+    for name in rel:
+        module = module._modules[name]
+    return module
 
 
 def _label(mpath: str) -> str:

@@ -302,6 +302,26 @@ class TestRename:
         with pytest.raises((ValueError, TypeError), match=match):
             NNsight(Top(), rename=rename)
 
+    def test_two_keys_reaching_one_tied_module_may_share_an_alias(self):
+        """Two names of one module (a tied or shared child) given the same alias bind it once,
+        as nnsight does; the alias reads that module's output."""
+        class Tied(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.head = torch.nn.Linear(4, 4)
+                self.tied = self.head
+
+            def forward(self, x):
+                return self.tied(x)
+
+        torch.manual_seed(0)
+        net, x = Tied(), torch.randn(2, 4)
+        model = NNsight(net, rename={"head": "out", "tied": "out"})
+        assert model.out._module is net.head
+        with model.trace(x):
+            out = model.out.output.save()
+        torch.testing.assert_close(out, net.head(x))
+
     def test_class_key_matching_two_children_is_refused(self):
         class Two(torch.nn.Module):
             def __init__(self):
