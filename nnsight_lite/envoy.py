@@ -183,6 +183,42 @@ class Envoy:
             return t.device
         return None
 
+    # ---- a module traced on its own (nnsight's Envoy.trace on any module)
+
+    def _alone(self):
+        """This module wrapped on its own (made once, kept here): what ``trace``, ``scan``,
+        ``session``, ``edit`` and ``clear_edits`` of an Envoy below the model's run."""
+        d = self.__dict__
+        alone = d.get("_wrapped_alone")
+        if alone is None or alone._module is not d["_module"]:
+            from .model import NNsight
+
+            alone = d["_wrapped_alone"] = NNsight(d["_module"])
+        return alone
+
+    def trace(self, *inputs, **kwargs):
+        """Trace this module on its own, as a model: ``with model.transformer.h[0].mlp.trace(h):``.
+        Bodies read its modules through any Envoy of them (``model.transformer.h[0].mlp.c_fc``
+        or the ones of the trace's own ``tracer.model``)."""
+        return self._alone().trace(*inputs, **kwargs)
+
+    def scan(self, *inputs, **kwargs):
+        """``scan`` of this module on its own (see ``trace``)."""
+        return self._alone().scan(*inputs, **kwargs)
+
+    def session(self, **kwargs):
+        """``session`` of this module on its own (see ``trace``)."""
+        return self._alone().session(**kwargs)
+
+    def edit(self, **kwargs):
+        """A persistent edit of this module on its own: replayed by its own ``trace`` (as in
+        nnsight, a trace of the whole model does not run it)."""
+        return self._alone().edit(**kwargs)
+
+    def clear_edits(self) -> None:
+        """Remove the edits recorded with this module's own ``edit``."""
+        self._alone().clear_edits()
+
     @property
     def devices(self) -> set:
         """The devices of the module's parameters and buffers (``{device(type='cpu')}``)."""

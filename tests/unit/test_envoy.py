@@ -81,6 +81,38 @@ class TestTree:
         finally:
             gc.enable()
 
+    def test_a_submodule_and_a_bare_envoy_trace_on_their_own(self, seq):
+        """``model[1].trace(h)`` runs that module alone (nnsight's Envoy.trace): its children
+        are read through the model's Envoys; ``Envoy(module).trace(x)`` works as nnsight's
+        tests use it; ``model[1].edit()`` is replayed by that module's own traces only."""
+        torch.manual_seed(0)
+        inner = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU())
+        net = torch.nn.Sequential(torch.nn.Linear(6, 6), inner, torch.nn.Linear(6, 2))
+        model = NNsight(net)
+        h = torch.randn(3, 6)
+        with model[1].trace(h):
+            a = model[1][0].output.save()
+            out = model[1].output.save()
+        torch.testing.assert_close(a, inner[0](h))
+        torch.testing.assert_close(out, inner(h))
+        bare = Envoy(net)
+        with bare.trace(h):
+            last = bare[2].output.save()
+        torch.testing.assert_close(last, net(h))
+        with model[1].edit(inplace=True):
+            model[1][0].output[:] = 0
+        with model[1].trace(h):
+            edited = model[1].output.save()
+        with model.trace(h):
+            whole = model.output.save()
+        torch.testing.assert_close(edited, torch.zeros(3, 6))
+        torch.testing.assert_close(whole, net(h))  # the root's trace does not replay it
+        model[1].clear_edits()
+        with model[1].trace(h):
+            again = model[1].output.save()
+        torch.testing.assert_close(again, inner(h))
+        assert all("forward" not in m.__dict__ for m in net.modules())
+
     def test_sequential_root(self, seq):
         model = NNsight(seq)
         assert len(model) == 4 and model[2]._module is seq[2]
