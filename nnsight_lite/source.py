@@ -420,6 +420,8 @@ def _drilled(inter, slot: OpSlot, fn):
                       ".source (for example model.<path to it>.source) instead")
         return fn
     func, owner = _function_of(fn)
+    if func is None and isinstance(getattr(type(fn), "__call__", None), types.FunctionType):
+        func, owner = type(fn).__call__, fn  # a callable object: its __call__'s operations
     if func is None:
         slot.error = (f"{slot.path} calls {type(fn).__name__} {getattr(fn, '__name__', '')!r}, "
                       "which is not a Python function, so it has no operations to trace")

@@ -309,6 +309,36 @@ class TestNested:
         torch.testing.assert_close(m, h @ h.T)
         torch.testing.assert_close(out, plain(block, x, scores=lambda s: torch.full_like(s, 0.25)))
 
+    def test_nested_source_of_a_callable_object_is_its_call(self, x):
+        """An op that calls an object with a Python ``__call__`` (a diffusers-style attention
+        processor) drills into that ``__call__``: its ops are read and edited like any."""
+        class Processor:
+            def __init__(self, scale):
+                self.scale = scale
+
+            def __call__(self, h):
+                return torch.relu(h) * self.scale
+
+        class WithProcessor(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(6, 6)
+                self.processor = Processor(2.0)
+
+            def forward(self, x):
+                return self.processor(self.lin(x)).sum(-1)
+
+        torch.manual_seed(0)
+        net = WithProcessor()
+        model = NNsight(net)
+        with model.trace(x):
+            inner = model.source.self_processor_0.source
+            r = inner.torch_relu_0.output.clone().save()
+            inner.torch_relu_0.output[:] = 1.0
+            out = model.output.save()
+        torch.testing.assert_close(r, torch.relu(net.lin(x)))
+        torch.testing.assert_close(out, torch.full((4,), 12.0))
+
     def test_nested_source_of_a_module_call_is_refused(self, block, x):
         """Drilling into an op that calls a submodule raises SourceUnavailableError saying to
         use the submodule's own .source."""
