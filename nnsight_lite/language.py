@@ -12,7 +12,8 @@
 
 Inputs (to ``trace``, ``invoke`` and ``generate``): a string, a list of strings, token ids (a
 list of ints, a list of lists, a 1-D or 2-D integer tensor), or a dict / ``BatchEncoding`` with
-``input_ids`` (and optionally ``attention_mask``). Keyword arguments the tokenizer understands
+``input_ids`` (and optionally ``attention_mask``), which may also come as keywords
+(``model.generate(**tokenizer(prompt, return_tensors="pt"))``). Keyword arguments the tokenizer understands
 (``max_length``, ``truncation``, ``add_special_tokens``, ...) go to the tokenizer, per invoke;
 the others go to the model's forward (``trace``) or to HF ``generate`` (``generate``).
 
@@ -323,9 +324,11 @@ class LanguageModel(NNsight):
         a ``with`` (or with ``trace=False``) it returns generate's output directly.
         """
         # max_length means generate's total length here; per-invoke truncation can still use it
+        # (input_ids=..., attention_mask=...: the prompt, as `generate(**tokenizer(...))` gives it)
         tok, gen = {}, {}
         for k, v in kwargs.items():
-            (tok if k in prompts.TOKENIZER_KWARGS and k != "max_length" else gen)[k] = v
+            (tok if k in prompts.INPUT_KWARGS or k in prompts.TOKENIZER_KWARGS and
+             k != "max_length" else gen)[k] = v
         backend = take_backend(gen) if gen else None  # remote: the weights stay on the server
         if backend is None or backend.local:
             self.dispatch()

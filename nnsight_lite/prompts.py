@@ -2,6 +2,7 @@
 not exported from the package).
 
     TOKENIZER_KWARGS    the keywords that go to the tokenizer (per invoke)
+    INPUT_KWARGS        the keywords that are the prompt itself (input_ids, inputs_embeds, mask)
     prepare(...)        one invoke's prompt as ((), {"input_ids", "attention_mask", ...}, rows)
     batch(...)          several invokes' prepared inputs left-padded into one batch, ids checked
     encode(...)         one prompt as (input_ids, attention_mask, other keys)
@@ -29,6 +30,9 @@ TOKENIZER_KWARGS = frozenset({
     "add_special_tokens", "padding", "truncation", "max_length", "stride", "is_split_into_words",
     "pad_to_multiple_of", "padding_side", "return_token_type_ids", "verbose",
 })
+#: Keyword arguments that are an invoke's input rather than an option of the forward or of
+#: ``generate``: ``model.generate(**tokenizer(...))`` is given its prompt this way.
+INPUT_KWARGS = frozenset({"input_ids", "inputs_embeds", "attention_mask"})
 _MASK_WITH_TEXT = (
     "attention_mask=... was given with a text prompt; the tokenizer makes the mask for text. "
     "Pass token ids with their mask instead"
@@ -394,5 +398,5 @@ def pad_left(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
     return torch.cat([x.new_full((x.shape[0], n), value), x], 1)
 
 
-__all__ = ["TOKENIZER_KWARGS", "Texts", "prepare", "batch", "encode", "tokenize",
+__all__ = ["TOKENIZER_KWARGS", "INPUT_KWARGS", "Texts", "prepare", "batch", "encode", "tokenize",
            "check_not_empty", "check_vocab", "with_pad_token"]

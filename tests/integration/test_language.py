@@ -603,6 +603,26 @@ class TestGenerate:
         assert torch.equal(torch.cat([a, b]), plain)
         assert torch.equal(tracer.result, plain)
 
+    def test_keyword_inputs_are_the_prompt(self, lm, hf):
+        """``generate(**tokenizer(...))`` and ``generate(input_ids=..., attention_mask=...)``:
+        the keywords are the batch, as a positional prompt is; the body reads modules and
+        ``tracer.result``, and the ids equal plain HF generate's."""
+        enc = lm.tokenizer(PROMPTS[0], return_tensors="pt")
+        plain = plain_generate(hf, enc, 3)
+        with torch.no_grad():
+            first = hf(**enc).logits[:, -1:]
+        with lm.generate(**enc, max_new_tokens=3, do_sample=False) as tracer:
+            logits = lm.lm_head.output.save()
+            ids = tracer.result.save()
+        torch.testing.assert_close(logits, first)
+        assert torch.equal(ids, plain)
+        with lm.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                         max_new_tokens=3, do_sample=False) as tracer:
+            pass
+        assert torch.equal(tracer.result, plain)
+        ids = lm.generate(input_ids=enc["input_ids"], max_new_tokens=3, do_sample=False)
+        assert torch.equal(ids, plain)
+
     def test_the_model_runs_with_no_exception_being_handled(self, lm, hf):
         """As under plain HF generate, the model's code sees no exception being handled
         (``sys.exc_info()``) while a generate block runs it, so the errors HF raises and
