@@ -13,7 +13,9 @@
 Inputs (to ``trace``, ``invoke`` and ``generate``): a string, a list of strings, token ids (a
 list of ints, a list of lists, a 1-D or 2-D integer tensor), or a dict / ``BatchEncoding`` with
 ``input_ids`` (and optionally ``attention_mask``), which may also come as keywords
-(``model.generate(**tokenizer(prompt, return_tensors="pt"))``). Keyword arguments the tokenizer understands
+(``model.generate(**tokenizer(prompt, return_tensors="pt"))``); or embeddings,
+``inputs_embeds=`` a (batch, positions, hidden) float tensor (with ``attention_mask`` if some
+positions are padding; invokes given embeddings batch together, not with token prompts). Keyword arguments the tokenizer understands
 (``max_length``, ``truncation``, ``add_special_tokens``, ...) go to the tokenizer, per invoke;
 the others go to the model's forward (``trace``) or to HF ``generate`` (``generate``).
 

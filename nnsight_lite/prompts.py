@@ -11,7 +11,9 @@ not exported from the package).
 
 Accepted prompts: a string, a list of strings, token ids (a list of ints, a list of lists of
 ints, a 1-D or 2-D integer tensor), or a dict / ``BatchEncoding`` with ``input_ids`` (and
-optionally ``attention_mask``). Anything else raises ``InputError`` saying what was given.
+optionally ``attention_mask``); or embeddings, ``inputs_embeds=`` a (batch, positions, hidden)
+float tensor (and optionally ``attention_mask``). Anything else raises ``InputError`` saying
+what was given.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Mapping
 import torch
 
 from .batching import concat_inputs
-from .errors import InputError
+from .errors import BatchingError, InputError
 
 #: Keyword arguments of ``tokenizer(...)`` that may be given per invoke; every other keyword
 #: goes to the model's forward (trace) or to ``generate``.
@@ -70,6 +72,8 @@ def prepare(tokenizer, args: tuple, kwargs: dict):
             f"an invoke takes one prompt (or one list of prompts), got {len(args)} "
             "positional inputs; pass a list for a batch: tracer.invoke(['a', 'b'])"
         )
+    if "inputs_embeds" in kwargs:
+        return _prepare_embeds(args, kwargs, tok_kwargs)
     if args:
         prompt = args[0]
         if "input_ids" in kwargs:
@@ -79,7 +83,7 @@ def prepare(tokenizer, args: tuple, kwargs: dict):
         if "attention_mask" in kwargs:
             prompt["attention_mask"] = kwargs.pop("attention_mask")
     else:
-        raise InputError(f"no prompt given; pass {ACCEPTS}")
+        raise InputError(f"no prompt given; pass {ACCEPTS}, or inputs_embeds=...")
     if not tok_kwargs and _is_text(prompt):  # tokenized with the other invokes' text, in batch
         texts = Texts(_texts(prompt))
         if "attention_mask" in kwargs:
@@ -99,6 +103,44 @@ def prepare(tokenizer, args: tuple, kwargs: dict):
     extra.pop("_from_text", None)
     kwargs.update(extra)
     return (), {"input_ids": ids, "attention_mask": mask, **kwargs}, ids.shape[0]
+
+
+def _prepare_embeds(args: tuple, kwargs: dict, tok_kwargs: dict):
+    """``prepare`` of an invoke given ``inputs_embeds=`` (and maybe ``attention_mask=``)."""
+    if args or "input_ids" in kwargs:
+        raise InputError(
+            "got inputs_embeds=... and a prompt (or input_ids=...); the model takes token ids or "
+            "embeddings, not both: pass only one of them"
+        )
+    if tok_kwargs:
+        raise InputError(
+            f"tokenizer options {sorted(tok_kwargs)} apply to text prompts only, but this "
+            "input is inputs_embeds=...; drop them"
+        )
+    emb = kwargs.pop("inputs_embeds")
+    if not (isinstance(emb, torch.Tensor) and emb.is_floating_point() and emb.dim() == 3):
+        raise InputError(
+            f"inputs_embeds must be a floating-point tensor of shape (batch, positions, hidden), "
+            f"got {_describe(emb)}"
+        )
+    if not emb.shape[0] or not emb.shape[1]:
+        raise InputError(
+            f"inputs_embeds has shape {tuple(emb.shape)}: there is no position to run the model "
+            "on; give every row at least one position"
+        )
+    mask = kwargs.pop("attention_mask", None)
+    if mask is not None:
+        mask = _as_ids(mask, "attention_mask")
+        if mask.dim() == 1:
+            mask = mask.unsqueeze(0)
+        if mask.shape != emb.shape[:2]:
+            raise InputError(
+                f"attention_mask has shape {tuple(mask.shape)} but inputs_embeds has shape "
+                f"{tuple(emb.shape)}; the mask must be (batch, positions) = "
+                f"{tuple(emb.shape[:2])}"
+            )
+        check_not_empty(mask, mask)
+    return (), {"inputs_embeds": emb, "attention_mask": mask, **kwargs}, emb.shape[0]
 
 
 def encode(tokenizer, prompt, tok_kwargs: dict):
@@ -232,20 +274,25 @@ def batch(prepared: list, tokenizer, vocab: int | None, position_ids: bool):
     invoke's ids checked against ``vocab`` (the padding the batch adds is not checked).
 
     With ``position_ids`` and some padding, adds position ids counted over the attention mask.
+    Invokes given ``inputs_embeds`` are left-padded with zero vectors the same way; they cannot
+    share a batch with invokes given token ids (``BatchingError``).
     """
     if len(prepared) == 1:  # one invoke (a trace given its prompt): nothing to pad
         _, kwargs, size = prepared[0]
-        if type(kwargs["input_ids"]) is Texts:
-            kwargs = _tokenized([kwargs], tokenizer)[0]
-        ids = kwargs["input_ids"]
-        check_vocab(ids, vocab)
+        if "inputs_embeds" not in kwargs:
+            if type(kwargs["input_ids"]) is Texts:
+                kwargs = _tokenized([kwargs], tokenizer)[0]
+            check_vocab(kwargs["input_ids"], vocab)
         kwargs = dict(kwargs)
         if kwargs["attention_mask"] is None:
-            kwargs["attention_mask"] = torch.ones_like(ids)
+            kwargs["attention_mask"] = _mask_of(kwargs)
             return (), kwargs, [size]
         return (), _with_position_ids(kwargs, position_ids), [size]
     sizes = [n for _, _, n in prepared]
     kws = [k for _, k, _ in prepared]
+    embeds = [i for i, k in enumerate(kws) if "inputs_embeds" in k]
+    if embeds:
+        return _batch_embeds(kws, sizes, embeds, position_ids)
     if any(type(k["input_ids"]) is Texts for k in kws):
         kws = _tokenized(kws, tokenizer)
     width = kws[0]["input_ids"].shape[1]
@@ -272,6 +319,29 @@ def batch(prepared: list, tokenizer, vocab: int | None, position_ids: bool):
     return (), _with_position_ids(kwargs, position_ids), sizes
 
 
+def _batch_embeds(kws: list, sizes: list, embeds: list, position_ids: bool):
+    """``batch`` of invokes given ``inputs_embeds`` (``embeds``: their indices in ``kws``)."""
+    if len(embeds) != len(kws):
+        ids = [i for i in range(len(kws)) if i not in embeds]
+        raise BatchingError(
+            f"invoke {', '.join(map(str, embeds))} gives inputs_embeds and invoke "
+            f"{', '.join(map(str, ids))} gives a prompt or token ids (counting the invokes that "
+            "have inputs); one forward takes embeddings or token "
+            "ids, not both. Give every invoke inputs_embeds (embed token ids with "
+            "model.get_input_embeddings()(ids)), or run them in separate traces"
+        )
+    width = max(k["inputs_embeds"].shape[1] for k in kws)
+    full = all(k["attention_mask"] is None and k["inputs_embeds"].shape[1] == width for k in kws)
+    mask = torch.cat([pad_left(_mask_of(k), width, 0) for k in kws])
+    rest = [((), {n: pad_left(v, width, 0) if n == "inputs_embeds" else v
+                  for n, v in k.items() if n != "attention_mask"}) for k in kws]
+    _, kwargs, _ = concat_inputs(rest, sizes)  # (BatchingError for other hidden sizes, dtypes)
+    kwargs["attention_mask"] = mask
+    if full:
+        return (), kwargs, sizes
+    return (), _with_position_ids(kwargs, position_ids), sizes
+
+
 def _with_position_ids(kwargs: dict, position_ids: bool) -> dict:
     """``kwargs`` with position ids counted over the attention mask where it has padding (and
     the model takes them, and none were given), as HF generate counts them: padding does not
@@ -285,7 +355,12 @@ def _with_position_ids(kwargs: dict, position_ids: bool) -> dict:
 def _mask_of(kw: dict) -> torch.Tensor:
     """The attention mask of one prepared invoke (all ones where ``prepare`` left it None)."""
     mask = kw["attention_mask"]
-    return torch.ones_like(kw["input_ids"]) if mask is None else mask
+    if mask is not None:
+        return mask
+    emb = kw.get("inputs_embeds")
+    if emb is not None:
+        return torch.ones(emb.shape[:2], dtype=torch.long, device=emb.device)
+    return torch.ones_like(kw["input_ids"])
 
 
 def _pad_id(tokenizer) -> int:
@@ -391,11 +466,12 @@ def _stack(rows):
 
 
 def pad_left(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
-    """``x`` (rows of ids or mask) padded on the left with ``value`` to ``width`` columns."""
+    """``x`` (rows of ids, mask or embeddings) padded on the left with ``value`` to ``width``
+    positions (dim 1)."""
     n = width - x.shape[1]
     if n == 0:
         return x
-    return torch.cat([x.new_full((x.shape[0], n), value), x], 1)
+    return torch.cat([x.new_full((x.shape[0], n, *x.shape[2:]), value), x], 1)
 
 
 __all__ = ["TOKENIZER_KWARGS", "INPUT_KWARGS", "Texts", "prepare", "batch", "encode", "tokenize",

@@ -32,6 +32,14 @@ def position_ids(mask):
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
 
 
+def soft_prompt(hf, prompt_ids, seed=0):
+    """Embeddings of ``prompt_ids`` plus noise, as a soft prompt would be: (1, len, hidden)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        emb = hf.get_input_embeddings()(torch.tensor([prompt_ids]))
+    return emb + 0.1 * torch.randn_like(emb)
+
+
 def quiet(fn, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -530,6 +538,46 @@ class TestAgainstTransformers:
             handle.remove()
         torch.testing.assert_close(patched, plain[1:])
 
+    def test_inputs_embeds_equal_plain_forward(self, lm, hf, arch):
+        """``trace(inputs_embeds=...)`` (with or without a mask) and ``tracer.invoke(
+        inputs_embeds=...)`` run the model on the embeddings: block outputs and logits equal
+        plain HF's on the same embeddings; the embedding module does not run."""
+        emb = soft_prompt(hf, [4, 5, 6, 7])
+        mask = torch.tensor([[0, 1, 1, 1]])
+        with torch.no_grad():
+            plain = hf(inputs_embeds=emb).logits
+            masked = hf(inputs_embeds=emb, attention_mask=mask,
+                        position_ids=position_ids(mask)).logits
+        with lm.trace(inputs_embeds=emb):
+            h = layers(lm, arch)[0].output.save()
+            logits = lm.lm_head.output.save()
+        torch.testing.assert_close(logits, plain)
+        assert h.shape == emb.shape
+        with lm.trace() as tracer:
+            with tracer.invoke(inputs_embeds=emb, attention_mask=mask):
+                logits = lm.lm_head.output.save()
+        torch.testing.assert_close(logits, masked)
+
+    def test_inputs_embeds_invokes_are_left_padded_into_one_batch(self, lm, hf):
+        """Invokes given embeddings of different lengths are left-padded (zero vectors, masked
+        out) into one batch, like token prompts: each invoke's logits equal plain HF on its
+        embeddings alone, and the batch equals HF on the padded batch."""
+        short, long = soft_prompt(hf, [4, 5], seed=1), soft_prompt(hf, [6, 7, 8, 9], seed=2)
+        with lm.trace() as tracer:
+            with tracer.invoke(inputs_embeds=short):
+                a = lm.lm_head.output.save()
+            with tracer.invoke(inputs_embeds=long):
+                b = lm.lm_head.output.save()
+        with torch.no_grad():
+            alone = [hf(inputs_embeds=e).logits for e in (short, long)]
+        torch.testing.assert_close(a[:, -2:], alone[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b, alone[1])
+        padded = torch.cat([torch.cat([torch.zeros_like(short), short], 1), long])
+        mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+        with torch.no_grad():
+            plain = hf(inputs_embeds=padded, attention_mask=mask,
+                       position_ids=position_ids(mask)).logits
+        torch.testing.assert_close(torch.cat([a, b]), plain)
 
     def test_scan_gives_shapes_without_compute(self, lm, arch):
         with lm.scan(["hello world", "the big red dog sat"]):
@@ -791,6 +839,28 @@ class TestGenerate:
             with lm.trace("hello"):
                 lm.generator.output.save()
 
+    def test_inputs_embeds_equal_plain_generate(self, lm, hf):
+        """``generate(inputs_embeds=...)`` and invokes given embeddings: the ids equal plain HF
+        ``generate(inputs_embeds=...)``'s (the new tokens only, as HF returns them there)."""
+        emb = soft_prompt(hf, [4, 5, 6])
+        plain = plain_generate(hf, {"inputs_embeds": emb}, 3)
+        with lm.generate(inputs_embeds=emb, max_new_tokens=3, do_sample=False) as tracer:
+            logits = lm.lm_head.output.save()
+        assert torch.equal(tracer.result, plain) and plain.shape == (1, 3)
+        with torch.no_grad():
+            torch.testing.assert_close(logits, hf(inputs_embeds=emb).logits[:, -1:])
+        short = soft_prompt(hf, [7], seed=1)
+        with lm.generate(max_new_tokens=3, do_sample=False) as tracer:
+            with tracer.invoke(inputs_embeds=short):
+                a = lm.generator.output.save()
+            with tracer.invoke(inputs_embeds=emb):
+                b = lm.generator.output.save()
+        padded = torch.cat([torch.cat([torch.zeros(1, 2, emb.shape[2]), short], 1), emb])
+        mask = torch.tensor([[0, 0, 1], [1, 1, 1]])
+        plain = plain_generate(hf, {"inputs_embeds": padded, "attention_mask": mask}, 3)
+        assert torch.equal(torch.cat([a, b]), plain)
+        assert torch.equal(tracer.result, plain)
+
     def test_nothing_left_attached(self, lm):
         with lm.generate(PROMPTS[1], max_new_tokens=2) as tracer:
             pass
@@ -847,6 +917,37 @@ class TestErrors:
     def test_tokenizer_options_with_token_ids(self, lm):
         with pytest.raises(InputError, match=r"tokenizer options \['max_length'\] apply to text"):
             with lm.trace([1, 2], max_length=3):
+                pass
+
+    def test_inputs_embeds_with_token_invokes_cannot_share_a_batch(self, lm, hf):
+        emb = soft_prompt(hf, [4, 5])
+        with pytest.raises(nnsight_lite.BatchingError,
+                           match=r"invoke 1 gives inputs_embeds and invoke 0 gives a prompt or "
+                                 r"token ids .*one forward takes embeddings or token ids, not "
+                                 r"both. Give every invoke inputs_embeds"):
+            with lm.trace() as tracer:
+                with tracer.invoke("hello world"):
+                    pass
+                with tracer.invoke(inputs_embeds=emb):
+                    pass
+
+    @pytest.mark.parametrize("kwargs, match", [
+        ({"inputs_embeds": torch.ones(1, 2, 32), "input_ids": torch.tensor([[4, 5]])},
+         r"got inputs_embeds=\.\.\. and a prompt \(or input_ids=\.\.\.\); the model takes"),
+        ({"inputs_embeds": torch.ones(1, 2, dtype=torch.long)},
+         r"inputs_embeds must be a floating-point tensor of shape \(batch, positions, hidden\), "
+         r"got a tensor of shape \(1, 2\) and dtype torch.int64"),
+        ({"inputs_embeds": torch.ones(1, 0, 32)}, r"there is no position to run the model on"),
+        ({"inputs_embeds": torch.ones(1, 2, 32), "attention_mask": torch.ones(1, 3, dtype=torch.long)},
+         r"attention_mask has shape \(1, 3\) but inputs_embeds has shape \(1, 2, 32\); the "
+         r"mask must be \(batch, positions\) = \(1, 2\)"),
+        ({"inputs_embeds": torch.ones(1, 2, 32), "max_length": 3},
+         r"tokenizer options \['max_length'\] apply to text prompts only, but this input is "
+         r"inputs_embeds"),
+    ])
+    def test_wrong_inputs_embeds(self, lm, kwargs, match):
+        with pytest.raises(InputError, match=match):
+            with lm.trace(**kwargs):
                 pass
 
     def test_gpt2_path_on_llama(self, model_dirs):
