@@ -286,14 +286,26 @@ class LanguageModel(NNsight):
             with model.trace(["Hello world", "Hi"]):        # one invoke, two rows
                 logits = model.lm_head.output.save()
 
-        With ``trace=False`` it runs the plain forward on the tokenized inputs and returns the
-        model's output.
+        Given no input (no prompt, ``input_ids``, ``inputs_embeds`` or ``attention_mask``), its
+        keywords go to the forward of the batch the invokes make (``model.trace(use_cache=
+        False)``); an invoke's keyword of the same name yields to them (a warning says so
+        where the values differ). With ``trace=False`` it runs the plain forward on the
+        tokenized inputs and returns the model's output.
         """
         if not (kwargs and wants_remote(kwargs)):  # remote: the weights stay on the server
             self.dispatch()
         if not trace:
             args, kw, _ = self._batch_inputs([self._prepare_inputs(*inputs, **kwargs)])
             return self._run_forward(args, kw)
+        if not inputs and kwargs and prompts.INPUT_KWARGS.isdisjoint(kwargs):
+            tok = sorted(k for k in kwargs if k in prompts.TOKENIZER_KWARGS)
+            if tok:
+                raise InputError(
+                    f"model.trace() was given tokenizer options {tok} but no prompt; a trace "
+                    "without inputs takes forward keywords only: give tokenizer options to "
+                    "each tracer.invoke(prompt, ...) that should use them"
+                )
+            return Tracer(self, (), {}, forward=kwargs)
         return super().trace(*inputs, **kwargs)
 
     def edit(self, *, inplace: bool = False):

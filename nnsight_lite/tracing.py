@@ -5,7 +5,9 @@
 
 A trace given inputs is one invoke whose body is the trace's body. A trace given none runs its
 body first, in the caller's greenlet, to collect ``tracer.invoke`` blocks; then it batches their
-inputs and runs the model once with every invoke body interleaved.
+inputs and runs the model once with every invoke body interleaved. Keywords of such a trace that
+are not inputs (``model.trace(use_cache=False)``, a LanguageModel's) go to that batched forward;
+an invoke's keyword of the same name yields to them, with a warning where the values differ.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import itertools
 import sys
+import warnings
 
 import torch
 
@@ -51,17 +54,22 @@ class Tracer(BodyContext):
 
     _inter = None  # the running trace's Interleaver (only while it runs)
     _result = _MISSING  # what the traced call returned, where it outlives the trace (generate)
+    _call_name = "model.trace"  # (how messages name the call that made this tracer)
 
-    def __init__(self, model, args: tuple, kwargs: dict, *, scan: bool = False):
+    def __init__(self, model, args: tuple, kwargs: dict, *, scan: bool = False,
+                 forward: dict | None = None):
         self.model = model
         self._args = args
         self._kwargs = kwargs
+        # keywords of a trace given no inputs, for the forward of the batch its invokes make
+        self._forward_kwargs = forward or {}
         self._scan = scan
         self._invokes: list = []
         self._collecting = False
         self.iter = _IterIndexer()
         # remote=True / backend=...: the block runs on a served model (nnsight_lite/remote)
-        self._backend = take_backend(kwargs) if kwargs else None
+        given = kwargs or self._forward_kwargs
+        self._backend = take_backend(given) if given else None
 
     # ---- user API
 
@@ -225,6 +233,11 @@ class Tracer(BodyContext):
             self._collecting = False
             _collecting.depth -= 1
             invokes, self._invokes = self._invokes, []
+        call = self._call_kwargs()
+        if call:  # (the call's keywords apply to the whole batch: an invoke's same ones yield)
+            for inv in invokes:
+                if inv._kwargs:
+                    inv._kwargs = _yield_to(call, inv, self._call_name)
         if not invokes:
             raise InputError(
                 f"model.trace() at {self._body.filename}:{self._body.lineno} was given no inputs "
@@ -239,6 +252,8 @@ class Tracer(BodyContext):
                 "model on; pass inputs to model.trace(...) or to at least one tracer.invoke(...)"
             )
         args, kwargs, sizes = model._batch_inputs(prepared)
+        if self._forward_kwargs:
+            kwargs = {**kwargs, **self._forward_kwargs}
         inter = Interleaver(model._module, sum(sizes), model.__dict__)
         made = _add_edits(inter, model) if model._edits else []
         start = 0
@@ -272,6 +287,11 @@ class Tracer(BodyContext):
                 med.shared, med.snapshot, med.assigned = shared, snapshot, body.assigned
         self._interleave(inter, made, args, kwargs)
 
+    def _call_kwargs(self) -> dict:
+        """The keywords of the call itself that an invoke's keyword of the same name yields
+        to (a trace's forward keywords; generate's in a generate)."""
+        return self._forward_kwargs
+
     def _interleave(self, inter: Interleaver, made: list, args: tuple, kwargs: dict):
         """Run the forward with the bodies ``inter`` holds; then clear the scopes in ``made``
         (the invokes' and edits' own: functions bound in them refer back to them)."""
@@ -299,6 +319,39 @@ class Tracer(BodyContext):
         """What runs under the interleaver: the model's forward (``model.generate`` runs HF
         generate instead; see language.py)."""
         return self.model._run_forward(args, kwargs)
+
+
+def _yield_to(call: dict, inv: "Invoker", name: str) -> dict:
+    """``inv``'s keywords without those ``call`` (the keywords of ``name(...)``, for the whole
+    batch) also gives; a warning at the invoke for each whose value differs there."""
+    kwargs = inv._kwargs
+    clash = [k for k in kwargs if k in call]
+    if not clash:
+        return kwargs
+    for k in clash:
+        if not _same(kwargs[k], call[k]):
+            body = inv._body
+            warnings.warn_explicit(
+                f"tracer.invoke(..., {k}={_show(kwargs[k])}) is overridden by {name}(..., "
+                f"{k}={_show(call[k])}): {name}()'s keywords apply to the whole batch; give "
+                f"{k} in one place", UserWarning, body.filename, body.lineno)
+    return {k: v for k, v in kwargs.items() if k not in call}
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a tensor of several values, an odd __eq__: different
+        return False
+
+
+def _show(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"<tensor of shape {tuple(value.shape)}>"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _add_edits(inter: Interleaver, model) -> list:

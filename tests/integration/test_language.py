@@ -538,6 +538,36 @@ class TestAgainstTransformers:
             handle.remove()
         torch.testing.assert_close(patched, plain[1:])
 
+    def test_trace_keywords_without_inputs_go_to_the_batched_forward(self, lm, hf):
+        """``model.trace(use_cache=False)`` with the prompts in invokes: the keyword reaches the
+        forward of the invokes' batch, as nnsight passes it; logits equal plain HF's."""
+        with lm.trace(use_cache=False) as tracer:
+            with tracer.invoke(PROMPTS[1]):
+                a = lm.lm_head.output.save()
+            with tracer.invoke(PROMPTS[2]):
+                out = lm.output.save()
+        enc = tokenize(lm, PROMPTS[1:])
+        with torch.no_grad():
+            plain = hf(**enc, position_ids=position_ids(enc["attention_mask"]), use_cache=False)
+        assert out.past_key_values is None and plain.past_key_values is None
+        torch.testing.assert_close(torch.cat([a, out.logits]), plain.logits)
+        with lm.trace() as tracer:  # (the model's default: a cache)
+            with tracer.invoke(PROMPTS[1]):
+                out = lm.output.save()
+        assert out.past_key_values is not None
+
+    def test_a_keyword_on_the_trace_and_an_invoke(self, lm):
+        """An invoke's keyword yields to the trace's (it applies to the whole batch), with a
+        warning at the invoke where the values differ (nnsight takes the invoke's, silently)."""
+        with pytest.warns(UserWarning, match=r"tracer.invoke\(\.\.\., use_cache=True\) is "
+                                             r"overridden by model.trace\(\.\.\., use_cache="
+                                             r"False\): model.trace\(\)'s keywords apply to "
+                                             r"the whole batch; give use_cache in one place"):
+            with lm.trace(use_cache=False) as tracer:
+                with tracer.invoke(PROMPTS[1], use_cache=True):
+                    out = lm.output.save()
+        assert out.past_key_values is None
+
     def test_inputs_embeds_equal_plain_forward(self, lm, hf, arch):
         """``trace(inputs_embeds=...)`` (with or without a mask) and ``tracer.invoke(
         inputs_embeds=...)`` run the model on the embeddings: block outputs and logits equal
@@ -918,6 +948,14 @@ class TestErrors:
         with pytest.raises(InputError, match=r"tokenizer options \['max_length'\] apply to text"):
             with lm.trace([1, 2], max_length=3):
                 pass
+
+    def test_tokenizer_options_on_a_trace_without_inputs(self, lm):
+        with pytest.raises(InputError, match=r"model.trace\(\) was given tokenizer options "
+                                             r"\['max_length', 'truncation'\] but no prompt; .* "
+                                             r"give tokenizer options to each tracer.invoke"):
+            with lm.trace(max_length=3, truncation=True) as tracer:
+                with tracer.invoke("hello world"):
+                    pass
 
     def test_inputs_embeds_with_token_invokes_cannot_share_a_batch(self, lm, hf):
         emb = soft_prompt(hf, [4, 5])
