@@ -15,9 +15,11 @@ list of ints, a list of lists, a 1-D or 2-D integer tensor), or a dict / ``Batch
 ``input_ids`` (and optionally ``attention_mask``), which may also come as keywords
 (``model.generate(**tokenizer(prompt, return_tensors="pt"))``); or embeddings,
 ``inputs_embeds=`` a (batch, positions, hidden) float tensor (with ``attention_mask`` if some
-positions are padding; invokes given embeddings batch together, not with token prompts). Keyword arguments the tokenizer understands
-(``max_length``, ``truncation``, ``add_special_tokens``, ...) go to the tokenizer, per invoke;
-the others go to the model's forward (``trace``) or to HF ``generate`` (``generate``).
+positions are padding; invokes given embeddings batch together, not with token prompts).
+Keyword arguments the tokenizer understands (``max_length``, ``truncation``,
+``add_special_tokens``, ...) go to the tokenizer, per invoke; the others go to the model's
+forward (``trace``) or to HF ``generate`` (``generate``). A keyword given both to
+``trace()``/``generate()`` and to an invoke applies to the whole batch with the call's value.
 
 Batching: every invoke gets the rows it would get tokenized on its own, left-padded to one
 length, so the last position holds every prompt's last token (text without tokenizer options
@@ -333,9 +335,11 @@ class LanguageModel(NNsight):
         ``i`` is generation step ``i``, addressed with ``.next()``, ``tracer.iter[...]`` or
         ``tracer.all()``. Tokenizer keywords go to the tokenizer, every other keyword to
         ``generate`` (``max_length`` too: here it is generate's total length; give it to
-        ``tracer.invoke`` to truncate a prompt). Without ``max_new_tokens``/``max_length`` the
-        model's generation config decides the length, as with HF ``generate``. Called without
-        a ``with`` (or with ``trace=False``) it returns generate's output directly.
+        ``tracer.invoke`` to truncate a prompt); an invoke's keyword that is also given here
+        yields to this one (with a warning where the values differ). Without
+        ``max_new_tokens``/``max_length`` the model's generation config decides the length, as
+        with HF ``generate``. Called without a ``with`` (or with ``trace=False``) it returns
+        generate's output directly.
         """
         # max_length means generate's total length here; per-invoke truncation can still use it
         # (input_ids=..., attention_mask=...: the prompt, as `generate(**tokenizer(...))` gives it)
@@ -462,9 +466,16 @@ class Generator(Tracer):
     is the ids.
     """
 
+    _call_name = "model.generate"
+
     def __init__(self, model: LanguageModel, args: tuple, tok_kwargs: dict, gen_kwargs: dict):
         super().__init__(model, args, tok_kwargs)
         self._gen_kwargs = gen_kwargs
+
+    def _call_kwargs(self) -> dict:
+        # generate()'s keywords win over an invoke's (as in nnsight); an invoke's max_length
+        # is a tokenizer option (truncation), not generate's total length
+        return {k: v for k, v in self._gen_kwargs.items() if k != "max_length"}
 
     def _run(self, scope):
         model = self.model

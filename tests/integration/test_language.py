@@ -869,6 +869,27 @@ class TestGenerate:
             with lm.trace("hello"):
                 lm.generator.output.save()
 
+    def test_a_keyword_on_generate_and_an_invoke(self, lm, hf):
+        """generate()'s keyword applies to the whole batch: an invoke's of the same name yields
+        (as in nnsight), with a warning at the invoke where the values differ."""
+        with pytest.warns(UserWarning, match=r"tracer.invoke\(\.\.\., max_new_tokens=5\) is "
+                                             r"overridden by model.generate\(\.\.\., "
+                                             r"max_new_tokens=2\)"):
+            with lm.generate(max_new_tokens=2, do_sample=False) as tracer:
+                with tracer.invoke(PROMPTS[1], max_new_tokens=5):
+                    ids = tracer.result.save()
+                with tracer.invoke(PROMPTS[2]):
+                    pass
+        plain = plain_generate(hf, tokenize(lm, PROMPTS[1:]), 2)
+        assert torch.equal(ids, plain[:1]) and torch.equal(tracer.result, plain)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with lm.generate(max_new_tokens=2, do_sample=False) as tracer:
+                with tracer.invoke(PROMPTS[1], max_new_tokens=2):
+                    pass
+        assert not [w for w in caught if "overridden" in str(w.message)]
+        assert torch.equal(tracer.result, plain_generate(hf, tokenize(lm, PROMPTS[1:2]), 2))
+
     def test_inputs_embeds_equal_plain_generate(self, lm, hf):
         """``generate(inputs_embeds=...)`` and invokes given embeddings: the ids equal plain HF
         ``generate(inputs_embeds=...)``'s (the new tokens only, as HF returns them there)."""
@@ -976,7 +997,8 @@ class TestErrors:
          r"inputs_embeds must be a floating-point tensor of shape \(batch, positions, hidden\), "
          r"got a tensor of shape \(1, 2\) and dtype torch.int64"),
         ({"inputs_embeds": torch.ones(1, 0, 32)}, r"there is no position to run the model on"),
-        ({"inputs_embeds": torch.ones(1, 2, 32), "attention_mask": torch.ones(1, 3, dtype=torch.long)},
+        ({"inputs_embeds": torch.ones(1, 2, 32),
+          "attention_mask": torch.ones(1, 3, dtype=torch.long)},
          r"attention_mask has shape \(1, 3\) but inputs_embeds has shape \(1, 2, 32\); the "
          r"mask must be \(batch, positions\) = \(1, 2\)"),
         ({"inputs_embeds": torch.ones(1, 2, 32), "max_length": 3},
