@@ -16,12 +16,14 @@ import contextvars
 import itertools
 import sys
 import warnings
+import weakref
 
 import torch
 
 from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patches backward)
 from .capture import ITER_BLOCK_NAME, Scope
 from .context import RUNTIME, BodyContext, body_job
+from .envoy import Envoy
 from .errors import InputError, InvokeError, NNsightError
 from .interleaver import Interleaver
 from .mediator import (
@@ -363,6 +365,8 @@ def _add_edits(inter: Interleaver, model) -> list:
     for body, snapshot, f_globals, selves in edits:
         if selves:  # the names that meant the edited model mean the model traced now
             snapshot = {**snapshot, **dict.fromkeys(selves, model)}
+        if any(type(v) is _Held for v in snapshot.values()):
+            snapshot = {k: v.get(k, body) if type(v) is _Held else v for k, v in snapshot.items()}
         edit_scope = Scope(snapshot, f_globals, RUNTIME, wait_for_name)
         made.append(edit_scope)
         inter.add(body_job(body.code, edit_scope), None, edit_scope)
@@ -497,8 +501,40 @@ class Editor(BodyContext):
             del snapshot[k]
         for k in [k for k, v in snapshot.items() if v is self]:
             del snapshot[k]
+        # a submodule's edit lives on a wrapper its Envoy holds: an Envoy that holds it (that
+        # one, one above it) is held weakly, or the model would hold itself
+        for k, v in snapshot.items():
+            if isinstance(v, Envoy) and _holds(v, target):
+                snapshot[k] = _Held(v)
         edit = (self._body, snapshot, frame.f_globals, selves)
         target.__dict__["_edits"] = target._edits + (edit,)
+
+
+def _holds(envoy, target) -> bool:
+    """Whether ``envoy`` holds the wrapper ``target`` (a submodule's own, made by its
+    ``edit``): it is that submodule's Envoy, or one of a module above it."""
+    if envoy.__dict__.get("_wrapped_alone") is target:
+        return True
+    module = target._module
+    return envoy._module is not module and any(m is module for m in envoy._module.modules())
+
+
+class _Held:
+    """An Envoy a submodule's edit reads, held weakly (see Editor._on_exit)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, envoy):
+        self.ref = weakref.ref(envoy)
+
+    def get(self, name: str, body):
+        envoy = self.ref()
+        if envoy is None:
+            raise NNsightError(
+                f"the edit made at {body.filename}:{body.lineno} reads `{name}`, a model that has "
+                "since been dropped; keep the model while its submodule's edits are in use"
+            )
+        return envoy
 
 
 def _names_read(code) -> set:

@@ -113,6 +113,33 @@ class TestTree:
         torch.testing.assert_close(again, inner(h))
         assert all("forward" not in m.__dict__ for m in net.modules())
 
+    @pytest.mark.parametrize("through", ["model", "layer"])
+    def test_a_submodule_edit_lets_the_model_go(self, through):
+        """A submodule's edit whose body reads the model (or the submodule's own Envoy) does
+        not keep the model alive: dropped, it is freed by reference counting."""
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                  torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+        model = NNsight(net)
+        layer = model[1]
+        if through == "model":
+            with model[1].edit(inplace=True):
+                model[1][0].output[:] = 0
+        else:
+            with layer.edit(inplace=True):
+                layer[0].output[:] = 0
+        x = torch.randn(2, 4)
+        with layer.trace(x):
+            out = layer.output.save()
+        torch.testing.assert_close(out, torch.zeros(2, 4))
+        refs = [weakref.ref(net), weakref.ref(net[1]), weakref.ref(model)]
+        gc.disable()
+        try:
+            del net, model, layer, out
+            assert [r() for r in refs] == [None, None, None]
+        finally:
+            gc.enable()
+
     def test_sequential_root(self, seq):
         model = NNsight(seq)
         assert len(model) == 4 and model[2]._module is seq[2]
