@@ -196,28 +196,39 @@ class Envoy:
             alone = d["_wrapped_alone"] = NNsight(d["_module"])
         return alone
 
-    def trace(self, *inputs, **kwargs):
+    def _alone_method(self, name: str):
+        """The module's own ``name`` (a child module first), else the wrapper's method."""
+        own = self._own(name)
+        return getattr(self._alone(), name) if own is _NOT_OWN else own
+
+    @property
+    def trace(self):
         """Trace this module on its own, as a model: ``with model.transformer.h[0].mlp.trace(h):``.
         Bodies read its modules through any Envoy of them (``model.transformer.h[0].mlp.c_fc``
-        or the ones of the trace's own ``tracer.model``)."""
-        return self._alone().trace(*inputs, **kwargs)
+        or the ones of the trace's own ``tracer.model``). A child module named ``trace`` comes
+        first, as for ``scan``, ``session``, ``edit`` and ``clear_edits``."""
+        return self._alone_method("trace")
 
-    def scan(self, *inputs, **kwargs):
+    @property
+    def scan(self):
         """``scan`` of this module on its own (see ``trace``)."""
-        return self._alone().scan(*inputs, **kwargs)
+        return self._alone_method("scan")
 
-    def session(self, **kwargs):
+    @property
+    def session(self):
         """``session`` of this module on its own (see ``trace``)."""
-        return self._alone().session(**kwargs)
+        return self._alone_method("session")
 
-    def edit(self, **kwargs):
+    @property
+    def edit(self):
         """A persistent edit of this module on its own: replayed by its own ``trace`` (as in
         nnsight, a trace of the whole model does not run it)."""
-        return self._alone().edit(**kwargs)
+        return self._alone_method("edit")
 
-    def clear_edits(self) -> None:
+    @property
+    def clear_edits(self):
         """Remove the edits recorded with this module's own ``edit``."""
-        self._alone().clear_edits()
+        return self._alone_method("clear_edits")
 
     @property
     def devices(self) -> set:

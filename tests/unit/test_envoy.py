@@ -218,6 +218,25 @@ class TestTree:
         net.inp = new
         assert copy.inp._module is new
 
+    @pytest.mark.parametrize("name", ["trace", "scan", "session", "edit", "clear_edits"])
+    def test_a_child_named_like_a_wrapper_method_comes_first(self, name):
+        """Below the root, a child module named ``scan`` (a state-space block, say) is that
+        child's Envoy, read like any; a module without one gets the method."""
+        torch.manual_seed(0)
+        block = torch.nn.Module()
+        block.add_module(name, torch.nn.Linear(4, 4))
+        block.forward = lambda x: getattr(block, name)(x)  # (an instance forward: any works)
+        net = torch.nn.Sequential(block)
+        model = NNsight(net)
+        child = getattr(model[0], name)
+        assert isinstance(child, Envoy) and child._module is getattr(block, name)
+        x = torch.randn(2, 4)
+        with model.trace(x):
+            out = getattr(model[0], name).output.save()
+        torch.testing.assert_close(out, getattr(block, name)(x))
+        other = NNsight(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        assert not isinstance(getattr(other[0], name), Envoy) and callable(getattr(other[0], name))
+
     def test_a_child_named_like_an_envoy_method(self, x8):
         """A submodule called ``next`` (an Envoy method's name) is reached by its alias,
         listed by ``children()`` and ``modules()``, read in a remote-shaped trace through
