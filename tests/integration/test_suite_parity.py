@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 
 from nnsight_lite import LanguageModel
@@ -121,8 +122,10 @@ def test_nnsight_08_names_and_module_paths(model_dirs, hf, arch):
     assert issubclass(nnsight_lite.NNsightDeprecationWarning, FutureWarning)
     with _warnings.catch_warnings():
         _warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
-        model = TransformersModel(model_dirs[arch], dispatch=True)
+        model = TransformersModel(model_dirs[arch], task="text-generation", dispatch=True)
     assert isinstance(model, LanguageModel)
+    with pytest.raises(ValueError, match="causal language models only"):
+        TransformersModel(model_dirs[arch], task="image-classification")
     enc = model.tokenizer(PROMPT, return_tensors="pt")
     with model.trace(PROMPT):
         logits = model.output.logits.save()
