@@ -568,8 +568,10 @@ class Envoy:
             if not name.startswith("_") and isinstance(value, Envoy):
                 subs.setdefault(name, d.pop(name))
         d.setdefault("_parent", None)
-        for sub in subs.values():
-            sub.__dict__["_parent"] = weakref.ref(self)
+        for sub in subs.values():  # (children a shallow copy shares keep their own parent)
+            ref = sub.__dict__.get("_parent")
+            if ref is None or ref() is None:
+                sub.__dict__["_parent"] = weakref.ref(self)
 
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import pickle
 import traceback
@@ -64,6 +65,8 @@ class TestTree:
         assert plain[0][0].parent is plain[0]
         again = pickle.loads(pickle.dumps(plain))  # (a module of torch classes: picklable)
         assert again[0][0].parent is again[0] and again[0][0].root is again
+        shallow = copy.copy(plain)  # (shares the children: they keep their parent)
+        assert plain[0].parent is plain and shallow[0] is plain[0]
 
         class Holder(torch.nn.Module):
             def __init__(self):
