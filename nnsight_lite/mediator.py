@@ -417,9 +417,16 @@ class Mediator:
                 "(it may be defined but unused, or called on another path). Check print(model) "
                 "for the module that computes the value you want"
             )
+        elif call and not self.iter_depth:
+            reason = (
+                f"{path} ran only {slot.calls} time(s) in this forward, so call {call} never "
+                "happened. After .next() (or tracer.next()) every later read of the body is at "
+                "the next call: read this before the .next(), or step back with "
+                "tracer.next(-1)"
+            )
         else:
             reason = (
                 f"{path} ran only {slot.calls} time(s) in this forward, so call {call} never "
-                "happened (check .next() and tracer.iter indices)"
+                "happened (check tracer.iter indices)"
             )
         return MissedModuleError(f"{self.label()} waited for {what} at {where}, but {reason}.")

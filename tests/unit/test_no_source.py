@@ -143,7 +143,7 @@ def test_exec_string_stop_and_missed_module(net):
     ns = {"model": NNsight(net), "x": x}
     _exec("with model.trace(x) as tr:\n    a = model[0].output.save()\n    tr.stop()\n", ns)
     assert torch.equal(ns["a"], net[0](x))
-    with pytest.raises(OutOfOrderError):
+    with pytest.raises(OutOfOrderError, match="has already run that call"):
         _exec("with model.trace(x):\n    b = model[2].output\n    a = model[0].output\n", ns)
     assert _clean(net)
 

@@ -352,7 +352,8 @@ class TestStopAndCalls:
                     tracer.next()
                     got.append(model.a.output)  # still step 0's move: a's call 1
         assert [torch.equal(g, seen[("a", c)]) for g, c in zip(got, [0, 1, 1])] == [True] * 3
-        with pytest.raises(MissedModuleError, match=r"model\.b\.output \(call 2\)"):
+        with pytest.raises(MissedModuleError, match=r"model\.b\.output \(call 2\).*ran only 2 "
+                           r"time.*read this before the \.next\(\), or step back"):
             with model.trace(x):
                 model.a.next().output
                 model.b.next().output  # every read is now at call 2: b ran twice

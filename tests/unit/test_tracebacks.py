@@ -55,7 +55,7 @@ class TestBodyErrors:
 
     def test_ordering_errors_point_at_the_line_that_asked(self):
         model = NNsight(_net())
-        with pytest.raises(OutOfOrderError) as info:
+        with pytest.raises(OutOfOrderError, match="has already run that call") as info:
             with model.trace(torch.randn(2, 4)):
                 model[2].output
                 model[0].output
