@@ -157,6 +157,7 @@ class Interleaver:
         self.name_waiters: list[Mediator] = []
         self.finished = False
         self.stopped_early = None  # where tracer.stop() ended the forward ("file:line")
+        self.skipped = ()  # the slots a body's .skip() kept from running (for messages)
         self.sources = None  # source.SourceRun: forwards running instrumented in this trace
         self._bulk = None  # the plan's _Bulk when this trace swapped forwards all at once
         self.held = []  # (Envoy __dict__, child name, child Envoy) put there for this trace
@@ -577,7 +578,11 @@ class Interleaver:
         finally:
             self.serving = None
         args, kwargs = value
-        out = slot.orig(*args, **kwargs) if whole is _MISSING else whole
+        if whole is _MISSING:
+            out = slot.orig(*args, **kwargs)
+        else:
+            out = whole
+            self.skipped = (*self.skipped, slot)
         for (start, size), part in partial:
             out = batching.merge(out, part, start, size, self.total)
         return args, kwargs, out

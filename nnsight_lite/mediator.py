@@ -53,6 +53,15 @@ _MISSING = object()
 _collecting = threading.local()
 
 
+def _skipped_above(slot, skipped):
+    """The skipped slot among ``slot``'s ancestors, or None."""
+    while skipped and slot is not None:
+        slot = slot.parent
+        if slot in skipped:
+            return slot
+    return None
+
+
 class StopTrace(BaseException):
     """Raised by ``tracer.stop()`` to end the forward early. Not an error; never escapes a trace.
 
@@ -411,6 +420,12 @@ class Mediator:
             reason = (f"tracer.stop() at {self.interleaver.stopped_early} ended the forward "
                       "before it ran. Read it before the stop, or stop after the last read "
                       "of every invoke")
+        elif slot.calls == 0 and (above := _skipped_above(slot, self.interleaver.skipped)):
+            reason = (
+                f"{path} is inside {above.label()}, which a body skipped with .skip() in this "
+                "forward, so it never ran. Read it in a trace that does not skip "
+                f"{above.label()}"
+            )
         elif slot.calls == 0:
             reason = (
                 f"{path} never ran in this forward: the model's forward does not call it "
