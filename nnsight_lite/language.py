@@ -135,6 +135,17 @@ class _StreamerEnvoy(_DuringGenerate):
     )
 
 
+def _no_tokenizer_options(call: str, kwargs: dict) -> None:
+    """Refuse tokenizer options given to a call that has no prompt of its own."""
+    tok = sorted(k for k in kwargs if k in prompts.TOKENIZER_KWARGS)
+    if tok:
+        raise InputError(
+            f"model.{call}() was given tokenizer options {tok} but no prompt; without a prompt "
+            f"model.{call}() takes {'generate' if call == 'generate' else 'forward'} keywords "
+            "only: give tokenizer options to each tracer.invoke(prompt, ...) that should use them"
+        )
+
+
 class LanguageModel(NNsight):
     """A Hugging Face causal LM with its tokenizer, traced with ``with model.trace(prompt):``.
 
@@ -300,15 +311,17 @@ class LanguageModel(NNsight):
             args, kw, _ = self._batch_inputs([self._prepare_inputs(*inputs, **kwargs)])
             return self._run_forward(args, kw)
         if not inputs and kwargs and prompts.INPUT_KWARGS.isdisjoint(kwargs):
-            tok = sorted(k for k in kwargs if k in prompts.TOKENIZER_KWARGS)
-            if tok:
-                raise InputError(
-                    f"model.trace() was given tokenizer options {tok} but no prompt; a trace "
-                    "without inputs takes forward keywords only: give tokenizer options to "
-                    "each tracer.invoke(prompt, ...) that should use them"
-                )
+            _no_tokenizer_options("trace", kwargs)
             return Tracer(self, (), {}, forward=kwargs)
         return super().trace(*inputs, **kwargs)
+
+    def scan(self, *inputs, **kwargs):
+        """``model.scan(...)``: ``trace`` on fake tensors (see :meth:`NNsight.scan`); given no
+        input, its keywords go to the forward of the invokes' batch, as in ``trace``."""
+        if not inputs and kwargs and prompts.INPUT_KWARGS.isdisjoint(kwargs):
+            _no_tokenizer_options("scan", kwargs)
+            return Tracer(self, (), {}, scan=True, forward=kwargs)
+        return super().scan(*inputs, **kwargs)
 
     def edit(self, *, inplace: bool = False):
         """``with model.edit() as edited:`` - see :meth:`NNsight.edit`. The edited copy and this
@@ -347,6 +360,8 @@ class LanguageModel(NNsight):
         for k, v in kwargs.items():
             (tok if k in prompts.INPUT_KWARGS or k in prompts.TOKENIZER_KWARGS and
              k != "max_length" else gen)[k] = v
+        if not inputs and tok and prompts.INPUT_KWARGS.isdisjoint(tok):
+            _no_tokenizer_options("generate", tok)
         backend = take_backend(gen) if gen else None  # remote: the weights stay on the server
         if backend is None or backend.local:
             self.dispatch()

@@ -395,6 +395,8 @@ def _is_int(x) -> bool:
 
 def _as_ids(x, what: str) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
+        if what == "attention_mask" and x.is_floating_point() and bool(((x == 0) | (x == 1)).all()):
+            return x.long()  # (a float mask of 0s and 1s, as HF takes it)
         if x.is_floating_point() or x.is_complex() or (
                 x.dtype == torch.bool and what == "input_ids"):
             raise InputError(f"{what} must hold integers, got a tensor of dtype {x.dtype}")

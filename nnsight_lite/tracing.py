@@ -336,13 +336,19 @@ def _yield_to(call: dict, inv: "Invoker", name: str) -> dict:
             warnings.warn_explicit(
                 f"tracer.invoke(..., {k}={_show(kwargs[k])}) is overridden by {name}(..., "
                 f"{k}={_show(call[k])}): {name}()'s keywords apply to the whole batch; give "
-                f"{k} in one place", UserWarning, body.filename, body.lineno)
+                f"{k} in one place", UserWarning, body.filename, body.lineno,
+                registry=_WARNED)  # (once per line, as warnings.warn: not at every trace)
     return {k: v for k, v in kwargs.items() if k not in call}
+
+
+_WARNED: dict = {}  # the warnings registry of _yield_to's warnings
 
 
 def _same(a, b) -> bool:
     if a is b:
         return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - a tensor of several values, an odd __eq__: different

@@ -568,6 +568,39 @@ class TestAgainstTransformers:
                     out = lm.output.save()
         assert out.past_key_values is None
 
+    def test_scan_keywords_and_tokenizer_options_without_a_prompt(self, lm):
+        """``model.scan(use_cache=False)`` with the prompts in invokes passes the keyword to
+        the batch's forward as ``trace`` does; tokenizer options given to a trace, scan or
+        generate that has no prompt raise an InputError saying where they go."""
+        with lm.scan(use_cache=False) as tracer:
+            with tracer.invoke(PROMPTS[1]):
+                logits = lm.lm_head.output.save()
+        n = tokenize(lm, PROMPTS[1:2])["input_ids"].shape[1]
+        assert tuple(logits.shape) == (1, n, lm.lm_head._module.out_features)
+        for call in ("trace", "scan", "generate"):
+            with pytest.raises(InputError, match=rf"model\.{call}\(\) was given tokenizer "
+                                                 r"options \['add_special_tokens'\] but no "
+                                                 r"prompt.*each tracer\.invoke"):
+                with getattr(lm, call)(add_special_tokens=False) as tracer:
+                    with tracer.invoke(PROMPTS[1]):
+                        pass
+
+    def test_the_override_warning_is_once_per_line_and_not_for_equal_tensors(self, lm):
+        """The warning for an invoke's keyword that yields shows once per line across repeated
+        traces (as warnings.warn does under the default filter), and not for an equal tensor."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            for _ in range(3):
+                with lm.trace(use_cache=False) as tracer:
+                    with tracer.invoke(PROMPTS[1], use_cache=True):
+                        pass
+            for _ in range(2):
+                with lm.generate(max_new_tokens=1, eos_token_id=torch.tensor([0, 1])) as tracer:
+                    with tracer.invoke(PROMPTS[1], eos_token_id=torch.tensor([0, 1])):
+                        pass
+        overridden = [w for w in caught if "overridden" in str(w.message)]
+        assert len(overridden) == 1 and "use_cache" in str(overridden[0].message)
+
     def test_inputs_embeds_equal_plain_forward(self, lm, hf, arch):
         """``trace(inputs_embeds=...)`` (with or without a mask) and ``tracer.invoke(
         inputs_embeds=...)`` run the model on the embeddings: block outputs and logits equal
@@ -587,6 +620,20 @@ class TestAgainstTransformers:
             with tracer.invoke(inputs_embeds=emb, attention_mask=mask):
                 logits = lm.lm_head.output.save()
         torch.testing.assert_close(logits, masked)
+
+    def test_a_float_mask_of_zeros_and_ones_is_taken(self, lm, hf):
+        """A float attention mask of 0s and 1s (a soft-prompt idiom HF takes) works with
+        embeddings and ids; the result equals the integer mask's."""
+        emb = soft_prompt(hf, [4, 5, 6, 7])
+        mask = torch.tensor([[0, 1, 1, 1]])
+        with lm.trace(inputs_embeds=emb, attention_mask=mask):
+            want = lm.lm_head.output.save()
+        with lm.trace(inputs_embeds=emb, attention_mask=mask.float()):
+            got = lm.lm_head.output.save()
+        torch.testing.assert_close(got, want)
+        with pytest.raises(InputError, match="attention_mask must hold integers"):
+            with lm.trace(inputs_embeds=emb, attention_mask=mask.float() * 0.5):
+                pass
 
     def test_inputs_embeds_invokes_are_left_padded_into_one_batch(self, lm, hf):
         """Invokes given embeddings of different lengths are left-padded (zero vectors, masked
