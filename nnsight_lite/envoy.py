@@ -82,6 +82,23 @@ if not hasattr(torch.Tensor, "value"):
     torch.Tensor.value = property(_old_value)
 
 
+_NOT_OWN = object()  # Envoy._own: the module has no such child or attribute
+
+
+def _module_first(fn):
+    """An Envoy property that a module's own child or attribute of the same name comes before
+    (``model.blk.scan`` is the child named ``scan`` where there is one): ``fn(envoy)`` only
+    where the module has none."""
+    name = fn.__name__
+
+    def get(self):
+        own = self._own(name)
+        return fn(self) if own is _NOT_OWN else own
+
+    get.__doc__ = fn.__doc__
+    return property(get)
+
+
 class Envoy:
     """A module as seen from a trace body.
 
@@ -170,14 +187,11 @@ class Envoy:
         mpath = self._mpath
         return f"model.{mpath}" if mpath else "model"
 
-    @property
+    @_module_first
     def device(self):
         """The module's own ``device`` where it has one (an HF model, a module that sets
         ``self.device``; a child module named ``device`` gives its Envoy), else the device of
         its first parameter or buffer (None for a module with neither): ``x.to(model.device)``."""
-        own = self._own("device")
-        if own is not _NOT_OWN:
-            return own
         module = self._module
         for t in itertools.chain(module.parameters(), module.buffers()):
             return t.device
@@ -196,77 +210,62 @@ class Envoy:
             alone = d["_wrapped_alone"] = NNsight(d["_module"])
         return alone
 
-    def _alone_method(self, name: str):
-        """The module's own ``name`` (a child module first), else the wrapper's method."""
-        own = self._own(name)
-        return getattr(self._alone(), name) if own is _NOT_OWN else own
-
-    @property
+    @_module_first
     def trace(self):
         """Trace this module on its own, as a model: ``with model.transformer.h[0].mlp.trace(h):``.
         Bodies read its modules through any Envoy of them (``model.transformer.h[0].mlp.c_fc``
         or the ones of the trace's own ``tracer.model``). A child module named ``trace`` comes
         first, as for ``scan``, ``session``, ``edit`` and ``clear_edits``."""
-        return self._alone_method("trace")
+        return self._alone().trace
 
-    @property
+    @_module_first
     def scan(self):
         """``scan`` of this module on its own (see ``trace``)."""
-        return self._alone_method("scan")
+        return self._alone().scan
 
-    @property
+    @_module_first
     def session(self):
         """``session`` of this module on its own (see ``trace``)."""
-        return self._alone_method("session")
+        return self._alone().session
 
-    @property
+    @_module_first
     def edit(self):
         """A persistent edit of this module on its own: replayed by its own ``trace`` (as in
         nnsight, a trace of the whole model does not run it)."""
-        return self._alone_method("edit")
+        return self._alone().edit
 
-    @property
+    @_module_first
     def clear_edits(self):
         """Remove the edits recorded with this module's own ``edit``."""
-        return self._alone_method("clear_edits")
+        return self._alone().clear_edits
 
-    @property
+    @_module_first
     def devices(self) -> set:
         """The devices of the module's parameters and buffers (``{device(type='cpu')}``)."""
-        own = self._own("devices")
-        if own is not _NOT_OWN:
-            return own
         module = self._module
         return {t.device for t in itertools.chain(module.parameters(), module.buffers())}
 
-    @property
+    @_module_first
     def parent(self):
         """The Envoy of the module this one is a child of (None for the model itself)."""
-        own = self._own("parent")
-        if own is not _NOT_OWN:
-            return own
         ref = self.__dict__["_parent"]
         return ref() if ref is not None else None
 
-    @property
+    @_module_first
     def root(self):
         """The Envoy of the whole model (``model``) this one belongs to."""
-        own = self._own("root")
-        if own is not _NOT_OWN:
-            return own
         env = self
         while (ref := env.__dict__["_parent"]) is not None and ref() is not None:
             env = ref()
         return env
 
-    @property
+    @_module_first
     def get(self):
         """``model.get(path)``: the Envoy (or attribute, or value) at the dotted ``path`` under
         this one, as nnsight's ``Envoy.get``: ``model.get("transformer.h.0.mlp")``, and in a
         body ``model.get("transformer.h.0.mlp.output")``; digits index containers. A module's
         own ``get`` (a method, a child module named so) comes first."""
-        own = self._own("get")
-        return self._get_path if own is _NOT_OWN else own
+        return self._get_path
 
     def _get_path(self, path: str):
         env = self
@@ -276,7 +275,8 @@ class Envoy:
 
     def _own(self, name: str):
         """What ``name`` is on the module itself, a child module's Envoy first (_NOT_OWN where
-        it is neither a child nor an attribute): Envoy names that a module may also have."""
+        it is neither a child nor an attribute): Envoy names that a module may also have
+        (see ``_module_first``)."""
         module = self.__dict__["_module"]
         if module._modules.get(name) is not None:
             return self._sub(name)
@@ -576,4 +576,3 @@ class Envoy:
 
 
 _EMPTY_TREE = Tree(torch.nn.Module())
-_NOT_OWN = object()  # Envoy._own: the module has no such child or attribute
