@@ -135,8 +135,12 @@ class _StreamerEnvoy(_DuringGenerate):
     )
 
 
-def _no_tokenizer_options(call: str, kwargs: dict) -> None:
-    """Refuse tokenizer options given to a call that has no prompt of its own."""
+def _keywords_only(call: str, inputs: tuple, kwargs: dict) -> bool:
+    """Whether ``model.<call>(...)`` was given keywords but no input (no prompt, ``input_ids``,
+    ``inputs_embeds`` or ``attention_mask``): they are for the forward (or generate) of the
+    batch its invokes make. Tokenizer options there raise InputError."""
+    if inputs or not kwargs or not prompts.INPUT_KWARGS.isdisjoint(kwargs):
+        return False
     tok = sorted(k for k in kwargs if k in prompts.TOKENIZER_KWARGS)
     if tok:
         raise InputError(
@@ -144,6 +148,7 @@ def _no_tokenizer_options(call: str, kwargs: dict) -> None:
             f"model.{call}() takes {'generate' if call == 'generate' else 'forward'} keywords "
             "only: give tokenizer options to each tracer.invoke(prompt, ...) that should use them"
         )
+    return True
 
 
 class LanguageModel(NNsight):
@@ -310,16 +315,14 @@ class LanguageModel(NNsight):
         if not trace:
             args, kw, _ = self._batch_inputs([self._prepare_inputs(*inputs, **kwargs)])
             return self._run_forward(args, kw)
-        if not inputs and kwargs and prompts.INPUT_KWARGS.isdisjoint(kwargs):
-            _no_tokenizer_options("trace", kwargs)
+        if _keywords_only("trace", inputs, kwargs):
             return Tracer(self, (), {}, forward=kwargs)
         return super().trace(*inputs, **kwargs)
 
     def scan(self, *inputs, **kwargs):
         """``model.scan(...)``: ``trace`` on fake tensors (see :meth:`NNsight.scan`); given no
         input, its keywords go to the forward of the invokes' batch, as in ``trace``."""
-        if not inputs and kwargs and prompts.INPUT_KWARGS.isdisjoint(kwargs):
-            _no_tokenizer_options("scan", kwargs)
+        if _keywords_only("scan", inputs, kwargs):
             return Tracer(self, (), {}, scan=True, forward=kwargs)
         return super().scan(*inputs, **kwargs)
 
@@ -360,8 +363,7 @@ class LanguageModel(NNsight):
         for k, v in kwargs.items():
             (tok if k in prompts.INPUT_KWARGS or k in prompts.TOKENIZER_KWARGS and
              k != "max_length" else gen)[k] = v
-        if not inputs and tok and prompts.INPUT_KWARGS.isdisjoint(tok):
-            _no_tokenizer_options("generate", tok)
+        _keywords_only("generate", inputs, tok)  # (tokenizer options without a prompt: raises)
         backend = take_backend(gen) if gen else None  # remote: the weights stay on the server
         if backend is None or backend.local:
             self.dispatch()
