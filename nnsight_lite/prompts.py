@@ -130,15 +130,7 @@ def _prepare_embeds(args: tuple, kwargs: dict, tok_kwargs: dict):
         )
     mask = kwargs.pop("attention_mask", None)
     if mask is not None:
-        mask = _as_ids(mask, "attention_mask")
-        if mask.dim() == 1:
-            mask = mask.unsqueeze(0)
-        if mask.shape != emb.shape[:2]:
-            raise InputError(
-                f"attention_mask has shape {tuple(mask.shape)} but inputs_embeds has shape "
-                f"{tuple(emb.shape)}; the mask must be (batch, positions) = "
-                f"{tuple(emb.shape[:2])}"
-            )
+        mask = _mask_rows(mask, emb, "inputs_embeds")
         check_not_empty(mask, mask)
     return (), {"inputs_embeds": emb, "attention_mask": mask, **kwargs}, emb.shape[0]
 
@@ -164,15 +156,8 @@ def encode(tokenizer, prompt, tok_kwargs: dict):
         if mask is None:
             ids, mask = _left_pad(ids, _pad_id(tokenizer))
         else:
-            mask = _as_ids(mask, "attention_mask")
             ids = _as_ids(ids if isinstance(ids, torch.Tensor) else _stack(ids), "input_ids")
-            if mask.dim() == 1:
-                mask = mask.unsqueeze(0)
-            if mask.shape != ids.shape:
-                raise InputError(
-                    f"attention_mask has shape {tuple(mask.shape)} but input_ids has shape "
-                    f"{tuple(ids.shape)}; they must match"
-                )
+            mask = _mask_rows(mask, ids, "input_ids")
         extra = {k: v for k, v in prompt.items() if k not in ("input_ids", "attention_mask")}
         return ids, mask, extra
     ids, mask = _left_pad(_rows(prompt), _pad_id(tokenizer))
@@ -391,6 +376,20 @@ def with_pad_token(tokenizer):
 def _is_int(x) -> bool:
     return (isinstance(x, int) and not isinstance(x, bool)) or (
         isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point())
+
+
+def _mask_rows(mask, of: torch.Tensor, what: str) -> torch.Tensor:
+    """``mask`` as integer rows (a 1-D mask is one row) of ``of``'s (batch, positions); ``of``
+    is the prompt's ``what`` (``input_ids``, ``inputs_embeds``)."""
+    mask = _as_ids(mask, "attention_mask")
+    if mask.dim() == 1:
+        mask = mask.unsqueeze(0)
+    if mask.shape != of.shape[:2]:
+        raise InputError(
+            f"attention_mask has shape {tuple(mask.shape)} but {what} has shape "
+            f"{tuple(of.shape)}; the mask must be (batch, positions) = {tuple(of.shape[:2])}"
+        )
+    return mask
 
 
 def _as_ids(x, what: str) -> torch.Tensor:
