@@ -86,13 +86,14 @@ class NNsight(Envoy):
         self.__dict__["_edits"] = ()
 
     def _copy(self) -> "NNsight":
-        """Another wrapper of the same module (same children), with its own edits."""
+        """Another wrapper of the same module, with its own edits and its own child Envoys
+        (made again as they are reached, so their ``.parent`` and ``.root`` lead to it)."""
         new = object.__new__(type(self))
         d = new.__dict__
         d.update((k, v) for k, v in self.__dict__.items()  # (not the Envoys a trace holds)
                  if k.startswith("_") or not isinstance(v, Envoy))
-        d["_subs"] = dict(d["_subs"])  # (the same child Envoys, in caches of its own)
-        d["_items"] = dict(d["_items"])
+        d["_subs"] = {}
+        d["_items"] = {}
         return new
 
     # ---- overridable input handling

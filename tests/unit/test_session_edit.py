@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -61,6 +63,24 @@ class TestEdit:
             out = edited.output.save()
         torch.testing.assert_close(seen, seq[1](seq[0](x)) * 2)
         torch.testing.assert_close(out, seq[3](torch.ones(2, 6)))
+
+    def test_edited_copy_has_its_own_envoy_tree(self, seq):
+        """The edited copy's children lead back to the copy (``.parent``, ``.root``), also
+        where the original's children were reached first, and a trace of that root runs the
+        edit; after the original is dropped they still do."""
+        model = NNsight(seq)
+        model[1]  # (the original's child Envoy exists before the copy is made)
+        with model.edit() as edited:
+            edited[1].output[:] = 0
+        assert edited[1].parent is edited and edited[2].root is edited
+        assert model[1].parent is model and edited[1] is not model[1]
+        x = torch.randn(2, 6)
+        with edited[3].root.trace(x):
+            out = edited.output.save()
+        torch.testing.assert_close(out, seq[3](seq[2](torch.zeros(2, 6))))
+        del model
+        gc.collect()
+        assert edited[1].parent is edited and edited[1].root is edited
 
     def test_inplace_and_clear(self, seq):
         model = NNsight(seq)
