@@ -307,9 +307,7 @@ class Envoy:
 
     def skip(self, value) -> None:
         """Do not run this module at its current call; use ``value`` as its output."""
-        med = current_mediator(self, "skip()")
-        med.get(self, INPUT)
-        med.skip_value = value
+        current_mediator(self, "skip()").skip(self, value)
 
     @property
     def source(self):

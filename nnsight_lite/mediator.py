@@ -354,6 +354,8 @@ class Mediator:
         call = self.iteration
         cur = self.cur_key
         if cur is not None and cur[0] is slot and cur[1] is kind and cur[2] == call:
+            if self.skip_value is not _MISSING:
+                raise self._after_skip_error(envoy)
             return self.cur_value
         key = (slot, kind, call)
         # (Slot.outs / Slot.calls inlined: this runs at every read)
@@ -375,6 +377,8 @@ class Mediator:
         if (cur is not None and cur[1] is kind
                 and cur[0] is self.interleaver.slots.get(id(envoy._module))
                 and cur[2] == self.iteration):
+            if self.skip_value is not _MISSING:
+                raise self._after_skip_error(envoy)
             old = self.cur_value
         else:
             old = self.get(envoy, kind)
@@ -383,6 +387,27 @@ class Mediator:
             record_reshape(self, envoy, kind, old, value)  # noted on an error it may lead to
         self.cur_value = value
         self.replaced = True
+
+    def skip(self, envoy, value) -> None:
+        """Run no ``envoy`` at this body's current call: its output is ``value``."""
+        cur = self.cur_key
+        if (self.skip_value is _MISSING or cur is None or cur[1] is not INPUT
+                or cur[2] != self.iteration
+                or cur[0] is not self.interleaver.slot_of(envoy)):  # (else a second skip at
+            self.get(envoy, INPUT)  # this call: it replaces the first)
+        self.skip_value = value
+
+    def _after_skip_error(self, envoy) -> OutOfOrderError:
+        """The error for reading or setting a module's input after ``.skip()`` at that call."""
+        path = envoy._path
+        call = self.iteration
+        return OutOfOrderError(
+            f"{self.label()} used {path}.input at {user_location()}" + (
+                f" (call {call})" if call else "") + f" after {path}.skip(...) for the same "
+            f"call: a skipped module does not run, so its input is no longer used (and it may "
+            f"be the very tensor given to skip). Read or edit {path}.input before calling "
+            ".skip()."
+        )
 
     def _late_error(self, envoy, key):
         slot, kind, call = key

@@ -403,6 +403,36 @@ class TestSkip:
                     model[1].skip(torch.ones(2, 6))
                     model[1][0].output.save()
 
+    def test_input_after_skip_is_an_out_of_order_error(self, seq):
+        """After ``m.skip(v)`` the body is past ``m``'s input for that call: reading or setting
+        ``m.input`` raises (as nnsight does), instead of editing what may be the very tensor
+        given to skip (here ``model[0].output`` is ``model[1]``'s input). Reading the input
+        first works, a second skip replaces the first, and ``m.output`` is the skip value."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        for edit in ("read", "in place", "assign"):
+            with pytest.raises(OutOfOrderError, match=r"used model\[1\]\.input at .*"
+                                                      r"after model\[1\]\.skip\(\.\.\.\)"):
+                with model.trace(x):
+                    h0 = model[0].output
+                    model[1].skip(h0)
+                    if edit == "read":
+                        model[1].input.save()
+                    elif edit == "in place":
+                        model[1].input[:] = 0
+                    else:
+                        model[1].input = torch.zeros(2, 6)
+        with model.trace(x):
+            h0 = model[0].output
+            seen = model[1].input.clone().save()
+            model[1].skip(torch.zeros(2, 6))
+            model[1].skip(h0)
+            skipped = model[1].output.save()
+            out = model.output.save()
+        torch.testing.assert_close(seen, seq[0](x))
+        assert skipped is not None and torch.equal(skipped, seq[0](x))
+        torch.testing.assert_close(out, seq[3](seq[2](seq[0](x))))
+
 
 class TestAutocastState:
     def test_autocast_in_body_does_not_leak_into_model(self, seq):
