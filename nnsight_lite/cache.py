@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+import weakref
 from bisect import insort
 from collections.abc import Mapping
 
@@ -219,17 +220,60 @@ class Entry:
             cache = tracer.cache(include_inputs=True)
         e = cache["model.layer1"]
         e.output, e.inputs, e.input, len(e)     # value, (args, kwargs), first argument, visits
+        e.keys()                                # its subtree's keys: ["model.layer1.fc", ...]
+        e["fc"].output                          # a submodule's entry, by relative key
 
     With one visit (one forward) each attribute is the value itself; with several (a module
     called more than once, generation steps) it is a list with one value per visit.
     """
 
-    __slots__ = ("_module", "_outputs", "_inputs")
+    __slots__ = ("_module", "_outputs", "_inputs", "_view", "_name")
 
     def __init__(self, module):
         self._module = module
         self._outputs = []
         self._inputs = []
+        self._view = None  # a weak reference to the view that last gave it out, and its
+        self._name = None  # path there: set by CacheView.__getitem__
+
+    # ---- the module's subtree (nnsight's cache[key] is a view of it)
+
+    def keys(self) -> list:
+        """The cache keys of this module and the modules inside it, in the order the run
+        reached them (each submodule's before this module's own, as in the whole view)."""
+        records, name = self._records()
+        return [_key(n) for n in records if _within(n, name)]
+
+    def __contains__(self, key) -> bool:
+        try:
+            self[key]
+        except (KeyError, TypeError):
+            return False
+        return True
+
+    def __getitem__(self, key) -> "Entry":
+        """A submodule's entry by its key relative to this module (``e["fc"]``,
+        ``e["0.mlp"]``) or by its full cache key (``e["model.layer1.fc"]``)."""
+        if not isinstance(key, str):
+            raise TypeError(
+                f"cache entries are indexed by a module's key (a string such as \"0\" or "
+                f"\"model.layer1.0\"), not {type(key).__name__}")
+        records, name = self._records()
+        full = key[len("model."):] if key.startswith("model.") else ("" if key == "model"
+                                                                      else None)
+        for n in ((full,) if full is not None else ()) + (f"{name}.{key}" if name else key,):
+            if _within(n, name) and n in records:
+                return self._view().__getitem__(_key(n))
+        raise KeyError(f"{key!r} is not a module inside {_key(name)} in this cache; its keys: "
+                       f"{', '.join(self.keys()[:8])}")
+
+    def _records(self):
+        view = self._view() if self._view is not None else None
+        if view is None:
+            raise TypeError(
+                "this cache entry was taken from a cache view no longer alive, so it cannot "
+                "list its submodules; take it from the view again (cache[\"model.layer1\"])")
+        return view._records, self._name
 
     @property
     def output(self):
@@ -262,6 +306,12 @@ class Entry:
         self._module = None
         self._outputs = state["_outputs"]
         self._inputs = state["_inputs"]
+        self._view = self._name = None
+
+
+def _within(name: str, root: str) -> bool:
+    """Whether the module at path ``name`` is the one at ``root`` or inside it."""
+    return not root or name == root or name.startswith(root + ".")
 
 
 def _unwrap(values: list):
@@ -307,7 +357,7 @@ class CacheView(Mapping):
             name = key[len("model."):] if key.startswith("model.") else (
                 "" if key == "model" else _MISSING)
             if name is not _MISSING and name in self._records:
-                return self._records[name]
+                return self._give(name)
             raise KeyError(self._missing(key))
         return _Node(self, self._need_root(), None)[key]  # cache[0]: as model[0] (Sequential)
 
@@ -325,6 +375,14 @@ class CacheView(Mapping):
         except KeyError:
             return False
         return True
+
+    def _give(self, name: str) -> Entry:
+        """The entry at path ``name``, knowing this view and its path (for its ``keys()``)."""
+        entry = self._records[name]
+        if entry._view is None or entry._view() is not self:
+            entry._view = weakref.ref(self)  # (weak: the view holds its entries)
+            entry._name = name
+        return entry
 
     def _missing(self, key) -> str:
         keys = list(self)
@@ -356,13 +414,13 @@ class CacheView(Mapping):
         module = envoy._module
         for name, entry in self._records.items():
             if entry._module is module:
-                return entry
+                return self._give(name)
         # a view loaded from a pickle knows its entries by path only
         for name, mod in self._root._module.named_modules():
             if mod is module:
                 entry = self._records.get(name)
                 if entry is not None and entry._module is None:
-                    return entry
+                    return self._give(name)
                 break
         raise AttributeError(
             f"{envoy._path} is not in this cache: the run did not reach it, or it was not "
@@ -420,6 +478,10 @@ class _Node:
 
     def __len__(self) -> int:
         return len(self._view._entry_for(self._envoy))
+
+    def keys(self) -> list:
+        """The cache keys of this module's subtree (see :meth:`Entry.keys`)."""
+        return self._view._entry_for(self._envoy).keys()
 
     def __repr__(self) -> str:
         return f"<cache node {self._envoy._path}>"

@@ -268,6 +268,30 @@ class TestNavigation:
         assert cache[2].output is cache["model.2"].output
         assert 2 not in cache and "model.2" in cache
 
+    def test_an_entry_reaches_its_subtree(self, net, x8):
+        """``cache[key].keys()`` lists that module's subtree (its submodules first, in the order
+        the run reached them, as plain hooks see it), ``in`` and ``[relative or full key]`` reach
+        a submodule's entry (nnsight's cache[key] is a view of the subtree); the root's is
+        every key."""
+        model = NNsight(net)
+        with model.trace(x8) as tracer:
+            cache = tracer.cache()
+        order, outs, _ = reached(net, x8)
+        block = cache["model.block"]
+        inside = [n for n in order if n.startswith("block.")] + ["block"]
+        assert block.keys() == [f"model.{n}" for n in inside] == cache.block.keys()
+        assert cache["model"].keys() == list(cache.keys())
+        assert "lin" in block and "model.block.lin" in block and "model.head" not in block
+        assert block["lin"] is cache["model.block.lin"] is block["model.block.lin"]
+        assert torch.equal(block["lin"].output, outs["block.lin"][0])
+        with pytest.raises(KeyError, match="'head' is not a module inside model.block"):
+            block["head"]
+        with pytest.raises(TypeError, match="indexed by a module's key"):
+            block[0]
+        del cache
+        with pytest.raises(TypeError, match="no longer alive"):
+            block.keys()
+
     def test_missing_names(self, net, x8):
         """A name that is no module, or a module not cached, raises AttributeError; an unknown
         key raises KeyError with near matches."""
