@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from itertools import compress, repeat
-from operator import is_, itemgetter
 
 from .capture import (
     INLINE_NAME,
@@ -42,16 +40,11 @@ _NO_SOURCE = object()  # the token of a context whose body runs in place (no sou
 
 def saved_only(items, saved: dict) -> dict:
     """The ``(name, value)`` pairs of ``items`` whose value a body saved (``saved`` maps
-    ``id(value)`` to the value), as a dict: what a trace binds back in its caller.
-
-    Run as C-level loops (``map``/``compress``): a scope holds a dozen entries or more, and a
-    Python loop over them cost more than the rest of the write-back."""
+    ``id(value)`` to the value), as a dict: what a trace binds back in its caller."""
     if not saved:
         return {}
-    items = tuple(items)
-    values = tuple(map(itemgetter(1), items))
-    found = map(saved.get, map(id, values), repeat(_UNSAVED))
-    return dict(compress(items, map(is_, found, values)))
+    get = saved.get
+    return {k: v for k, v in items if get(id(v), _UNSAVED) is v}
 
 
 def body_job(code, scope):
@@ -148,7 +141,7 @@ class BodyContext:
         if stack:
             values = dict(scope.own_items())
         else:
-            values = saved_only(dict.items(scope), saved)
+            values = saved_only(scope.bound_items(), saved)
         scope.reset()
         if stack:  # a trace nested in another body: its saves are saved there too
             stack[-1].update(saved)

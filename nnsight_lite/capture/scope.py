@@ -11,6 +11,7 @@ import builtins
 import ctypes
 import sys
 from collections import ChainMap
+from itertools import islice
 from types import FrameType
 
 from .rewrite import (GRAD_NAME, INLINE_NAME, ITER_BLOCK_NAME, ITER_END_NAME, NAME_NAME, SAVE_NAME,
@@ -101,6 +102,11 @@ class Scope(dict):
                 return True
             scope = scope._locals if scope._up is None else scope._up
         return False
+
+    def bound_items(self):
+        """The names bound here after the base entries (each Scope starts with those, in
+        order): the body's own, and for a child the names it was made with."""
+        return islice(dict.items(self), len(self._base), None)
 
     def own_items(self):
         """The names the body itself bound (not the two internal entries)."""
