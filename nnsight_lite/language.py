@@ -135,11 +135,15 @@ class _StreamerEnvoy(_DuringGenerate):
     )
 
 
+_PROMPT_KWARGS = frozenset({"input_ids", "inputs_embeds"})  # (a mask alone is no prompt)
+
+
 def _keywords_only(call: str, inputs: tuple, kwargs: dict) -> bool:
-    """Whether ``model.<call>(...)`` was given keywords but no input (no prompt, ``input_ids``,
-    ``inputs_embeds`` or ``attention_mask``): they are for the forward (or generate) of the
-    batch its invokes make. Tokenizer options there raise InputError."""
-    if inputs or not kwargs or not prompts.INPUT_KWARGS.isdisjoint(kwargs):
+    """Whether ``model.<call>(...)`` was given keywords but no input (no prompt, ``input_ids``
+    or ``inputs_embeds``): they are for the forward (or generate) of the batch its invokes make,
+    an ``attention_mask`` too (it replaces the mask of the padded batch, as in nnsight).
+    Tokenizer options there raise InputError."""
+    if inputs or not kwargs or not _PROMPT_KWARGS.isdisjoint(kwargs):
         return False
     tok = sorted(k for k in kwargs if k in prompts.TOKENIZER_KWARGS)
     if tok:
@@ -363,6 +367,8 @@ class LanguageModel(NNsight):
         for k, v in kwargs.items():
             (tok if k in prompts.INPUT_KWARGS or k in prompts.TOKENIZER_KWARGS and
              k != "max_length" else gen)[k] = v
+        if "attention_mask" in tok and not inputs and tok.keys().isdisjoint(_PROMPT_KWARGS):
+            gen["attention_mask"] = tok.pop("attention_mask")  # (the invokes' batch's mask)
         _keywords_only("generate", inputs, tok)  # (tokenizer options without a prompt: raises)
         backend = take_backend(gen) if gen else None  # remote: the weights stay on the server
         if backend is None or backend.local:
@@ -454,9 +460,9 @@ class LanguageModel(NNsight):
             config = getattr(self._module, "generation_config", None)
             if getattr(config, "pad_token_id", None) is None:
                 gen["pad_token_id"] = prompts._pad_id(self.tokenizer)
-        kwargs = dict(kwargs)
+        kwargs = {**kwargs, **gen}  # (generate()'s attention_mask replaces the batch's)
         kwargs.pop("position_ids", None)  # generate makes its own from the attention mask
-        return self._module.generate(*args, **kwargs, **gen)
+        return self._module.generate(*args, **kwargs)
 
     def _no_such(self, name: str):
         err = super()._no_such(name)

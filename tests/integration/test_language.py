@@ -556,6 +556,28 @@ class TestAgainstTransformers:
                 out = lm.output.save()
         assert out.past_key_values is not None
 
+    def test_an_attention_mask_without_a_prompt_is_the_batch_mask(self, lm, hf):
+        """``model.trace(attention_mask=m)`` / ``model.generate(attention_mask=m, ...)`` with
+        the prompts in invokes: ``m`` is the mask of the batch's forward (generate), as in
+        nnsight; outputs equal plain HF's given the same ids and mask."""
+        ids = tokenize(lm, PROMPTS[1:2])["input_ids"]
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0
+        with lm.trace(attention_mask=mask) as tracer:
+            with tracer.invoke(ids):
+                logits = lm.lm_head.output.save()
+        with torch.no_grad():
+            plain = hf(ids, attention_mask=mask).logits
+            unmasked = hf(ids).logits
+        torch.testing.assert_close(logits, plain)
+        assert not torch.allclose(logits, unmasked)
+        with lm.generate(attention_mask=mask, max_new_tokens=3, do_sample=False) as tracer:
+            with tracer.invoke(ids):
+                out = lm.generator.output.save()
+        expected = hf.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                               pad_token_id=1)
+        assert torch.equal(out, expected)
+
     def test_a_keyword_on_the_trace_and_an_invoke(self, lm):
         """An invoke's keyword yields to the trace's (it applies to the whole batch), with a
         warning at the invoke where the values differ (nnsight takes the invoke's, silently)."""
