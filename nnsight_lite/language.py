@@ -520,24 +520,25 @@ class Generator(Tracer):
 
     def _interleave(self, inter, made: list, args: tuple, kwargs: dict):
         # an open `for step in tracer.all():` has one step per new token, as nnsight's has: a
-        # body whose later steps read nothing ends its loop after the last token
+        # body whose later steps read nothing ends its loop after the last token. Where a body
+        # reads model.generator.streamer, which runs once more than the model (the prompt, then
+        # each new token), there is one more step for the last token's streamer call; a step
+        # waiting for another module there ends the loop when generation ends
         gen = self._gen_kwargs
         n = gen.get("max_new_tokens")
         for config in (gen.get("generation_config"),  # (as HF takes them: the call's first)
                        getattr(self.model._module, "generation_config", None)):
             if n is None:
                 n = getattr(config, "max_new_tokens", None)
-        inter.steps = n if isinstance(n, int) else None
+        inter.steps = n + self._streams() if isinstance(n, int) else None
         return super()._interleave(inter, made, args, kwargs)
 
     def _forward(self, inter, args: tuple, kwargs: dict):
         model = self.model
         gen = self._gen_kwargs
         streamer = model._generator_module.streamer
-        # Stream through model.generator.streamer when the user gave a streamer or a body names
-        # it: HF refuses a streamer in some modes (beam search), so not otherwise.
-        user = gen.get("streamer")
-        if user is not None or "streamer" in _names_read(self._body.code):
+        if self._streams():
+            user = gen.get("streamer")
             gen = dict(gen, streamer=streamer)
             streamer.__dict__["target"] = user
         try:
@@ -549,6 +550,13 @@ class Generator(Tracer):
         inter.end_iterations()
         self._result = model._generator_module(out)
         return self._result
+
+    def _streams(self) -> bool:
+        """Whether generate streams through ``model.generator.streamer``: where the user gave a
+        streamer or a body names it (HF refuses a streamer in some modes, beam search, so
+        not otherwise)."""
+        return self._gen_kwargs.get("streamer") is not None or \
+            "streamer" in _names_read(self._body.code)
 
     def _result_envoy(self):
         return self.model.generator

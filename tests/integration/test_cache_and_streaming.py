@@ -241,6 +241,25 @@ class TestStreaming:
         assert torch.equal(steps[0], ids[:, :n])
         assert [int(s) for s in steps[1:]] == ids[0, n:n + k - 1].tolist()
 
+    def test_an_open_loop_over_the_streamer_sees_every_token(self, lm):
+        """``for step in tracer.all():`` reading model.generator.streamer.output has one step
+        more than the model's forwards (as in nnsight): the prompt, then every new token, the
+        last one included; together they are the generated ids. A loop reading lm_head in the
+        same generate still has one step per new token."""
+        k = 3
+        with lm.generate(PROMPT, max_new_tokens=k, min_new_tokens=k, do_sample=False) as tracer:
+            toks = nnsight_lite.save([])
+            for step in tracer.all():
+                toks.append(lm.generator.streamer.output)
+        with lm.generate(PROMPT, max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                         streamer=_Collect()) as again:
+            logits = nnsight_lite.save([])
+            for step in again.all():
+                logits.append(lm.lm_head.output)
+        assert len(toks) == k + 1 and len(logits) == k
+        assert torch.equal(torch.cat([toks[0][0]] + toks[1:]), tracer.result[0])
+        assert torch.equal(again.result, tracer.result)
+
     def test_streamed_token_can_be_edited_for_the_user_streamer(self, lm):
         """An edit of model.generator.streamer.output reaches the user's streamer; the
         generated ids are unchanged (the streamer sees tokens, it does not make them)."""
