@@ -20,9 +20,11 @@ counting when the user drops it.
     "*.h"             ``*`` stands for any one child name (one match per module, else an error)
     SomeModuleClass   bound on every module with exactly one direct child of that class
 
-A value is one alias or a list of aliases. A key that names nothing is skipped (one ``rename``
-can then serve several architectures); an alias that would hide something (an Envoy attribute,
-a child module, an attribute of the module, another alias) is refused with a ValueError.
+A value is one alias or a list of aliases. A dotted alias (``{"attn.c_proj": "attn.o_proj"}``)
+is bound where its leading names lead: ``o_proj`` on each ``attn``. A key that names nothing is
+skipped (one ``rename`` can then serve several architectures); an alias that would hide
+something (an Envoy attribute, a child module, an attribute of the module, another alias) is
+refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ class Tree:
         #: module path ("" = root) -> {alias: path of names below that module}
         self.aliases: dict[str, dict[str, tuple]] = {}
         #: [(key, Envoy subclass)]: a module class, or a dotted path suffix (``*`` allowed)
+        if isinstance(envoys, type):  # one class for every module's Envoy (as nnsight takes it)
+            envoys = {torch.nn.Module: envoys}
+        elif envoys is not None and not hasattr(envoys, "items"):
+            raise TypeError(
+                f"envoys= takes an Envoy subclass (for every module) or a dict of them by module "
+                f"class or path suffix, got {type(envoys).__name__}")
         self.classes: list = list((envoys or {}).items())
         for key, cls in self.classes:
             if not (isinstance(cls, type) and _is_envoy_class(cls)):
@@ -64,13 +72,15 @@ class Tree:
         modules = dict(root.named_modules(remove_duplicate=False))
         for key, value in rename.items():
             names = [value] if isinstance(value, str) else list(value)
-            if not names or not all(isinstance(n, str) and n.isidentifier() for n in names):
+            if not names or not all(map(_is_alias, names)):
                 raise ValueError(
-                    f"rename={{{key!r}: {value!r}}}: an alias is a Python name (or a list of names)"
+                    f"rename={{{key!r}: {value!r}}}: an alias is a Python name, or a dotted path "
+                    "ending in one (\"attn.o_proj\"), or a list of them"
                 )
             for where, rel in self._targets(key, modules):
                 for alias in names:
-                    self._bind(modules[where], where, alias, rel, reserved, key)
+                    at, alias, below = _mount(where, alias, rel, key)
+                    self._bind(modules[at], at, alias, below, reserved, key)
 
     def _targets(self, key, modules: dict):
         """(module path, path below it) pairs the key names."""
@@ -170,6 +180,32 @@ class Tree:
                 break
             found |= new
         return found
+
+
+def _is_alias(name) -> bool:
+    """A Python name, or a dotted path of child names ending in one (``"h.1.ln"``)."""
+    if not isinstance(name, str):
+        return False
+    *lead, last = name.split(".")
+    return last.isidentifier() and all(p.isidentifier() or p.isdigit() for p in lead)
+
+
+def _mount(where: str, alias: str, rel: tuple, key) -> tuple:
+    """Where a dotted alias is bound: ``{"attn.c_proj": "attn.o_proj"}`` names ``c_proj`` of
+    each ``attn`` ``o_proj`` there, so the alias's leading names must lead to where the key's
+    module sits. Returns (module path, alias, names below it)."""
+    if "." not in alias:
+        return where, alias, rel
+    *lead, name = alias.split(".")
+    if tuple(lead) != rel[:len(lead)] or len(lead) >= len(rel):
+        raise ValueError(
+            f"rename={{{key!r}: {alias!r}}}: a dotted alias names the same modules as its key "
+            f"up to its last name (here {'.'.join(rel)} below {_label(where)}); write "
+            f"{'.'.join(rel[:-1] + (name,))!r}, or a plain name to alias it where the key "
+            "points"
+        )
+    at = ".".join(p for p in (where, *lead) if p)
+    return at, name, rel[len(lead):]
 
 
 def _is_envoy_class(cls) -> bool:

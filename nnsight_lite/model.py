@@ -32,7 +32,8 @@ class NNsight(Envoy):
     - ``rename={"layers": "blocks", "transformer.h": "h"}``: aliases for module paths, usable
       everywhere a path is (bodies, ``tracer.cache``); see aliases.py for the key forms.
     - ``envoys={torch.nn.Linear: MyEnvoy, "mlp": MyEnvoy}``: the Envoy subclass to use for the
-      modules of a class or at a path suffix (add your own properties there).
+      modules of a class or at a path suffix (add your own properties there); ``envoys=MyEnvoy``
+      for every module.
 
     ``model(x)`` outside a trace is the plain forward. Subclasses change how inputs are prepared
     and batched by overriding ``_prepare_inputs``, ``_batch_inputs`` and ``_run_forward``.

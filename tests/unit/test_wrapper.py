@@ -286,6 +286,27 @@ class TestRename:
         assert torch.equal(a, plain[("transformer.h.1.mlp", 0)])
         assert torch.equal(out, ref)
 
+    def test_a_dotted_alias_is_bound_where_its_leading_names_lead(self):
+        """``{"transformer.h": "transformer.blocks"}`` (nnsight's form, ``{"attn.c_proj":
+        "attn.o_proj"}``) names ``h`` ``blocks`` on ``transformer``; a key resolved below the
+        root (``"h.1.norm"``) the same way; a dotted alias whose leading names are not the
+        key's is refused, saying what to write."""
+        top = Top()
+        model = NNsight(top, rename={"transformer.h": "transformer.blocks", "h.1.norm": "h.1.ln"})
+        assert model.transformer.blocks is model.transformer.h
+        assert model.transformer.h[1].ln is model.transformer.h[1].norm
+        with pytest.raises(AttributeError):
+            model.transformer.h[0].ln
+        x = torch.randn(2, 4)
+        with model.trace(x):
+            a = model.transformer.blocks[1].ln.output.save()
+        seen, _ = record(top, ["transformer.h.1.norm"], x)
+        assert torch.equal(a, seen[("transformer.h.1.norm", 0)])
+        with pytest.raises(ValueError, match=r"rename=\{'transformer.h': 'head.blocks'\}: a "
+                                             r"dotted alias names the same modules as its key "
+                                             r".*'transformer.blocks'"):
+            NNsight(Top(), rename={"transformer.h": "head.blocks"})
+
     def test_a_key_naming_nothing_is_skipped(self):
         model = NNsight(Top(), rename={"self_attn": "att", "layers": "blocks"})
         assert not model._tree.aliases
@@ -388,6 +409,19 @@ class TestEnvoyClasses:
     def test_value_must_be_an_envoy_class(self):
         with pytest.raises(TypeError, match=r"must be an Envoy subclass"):
             NNsight(Top(), envoys={torch.nn.Linear: dict})
+        with pytest.raises(TypeError, match=r"envoys= takes an Envoy subclass .* got list"):
+            NNsight(Top(), envoys=[Doubling])
+
+    def test_one_class_for_every_module(self):
+        """``envoys=MyEnvoy`` (one class, as nnsight takes it) is every child module's Envoy."""
+        top = Top()
+        model = NNsight(top, envoys=Doubling)
+        assert type(model.transformer) is Doubling and type(model.transformer.h[1].mlp) \
+            is Doubling and type(model.head) is Doubling
+        x = torch.randn(2, 4)
+        with model.trace(x):
+            d = model.head.doubled.save()
+        assert torch.equal(d, top(x) * 2)
 
 
 def test_cache_navigation_follows_aliases():
