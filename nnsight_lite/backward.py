@@ -144,7 +144,8 @@ def read_grad(t):
     ctx = _current_backward()
     if ctx is not None:
         return ctx.request(t)
-    if not isinstance(t, torch.Tensor) or t.is_leaf or t.grad is not None:
+    # (an activation that does not retain its grad has none: asking torch would also warn)
+    if not isinstance(t, torch.Tensor) or t.is_leaf or t.retains_grad:
         return t.grad
     raise GradientError(
         f".grad of an activation ({_describe(t)}) was read at {user_location()} outside a "

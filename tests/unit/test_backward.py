@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -180,12 +181,29 @@ class TestGradErrors:
         torch.testing.assert_close(model(x), seq[3](seq[2](seq[1](seq[0](x)))))
 
     def test_old_idiom_reading_activation_grad(self, seq):
+        """``h.grad`` of an activation outside a backward block raises GradientError, without
+        torch's own non-leaf warning first; an activation that retains its grad, or a leaf,
+        reads it as usual."""
         model = NNsight(seq)
-        with pytest.raises(GradientError, match=r"with loss.backward\(\):"):
-            with model.trace(torch.randn(2, 6)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (torch's "non-leaf Tensor" warning would raise)
+            with pytest.raises(GradientError, match=r"with loss.backward\(\):"):
+                with model.trace(torch.randn(2, 6)):
+                    h = model[1].output
+                    model.output.sum().backward()
+                    g = h.grad
+            x = torch.randn(2, 6, requires_grad=True)
+            with model.trace(x):
                 h = model[1].output
+                h.retain_grad()
                 model.output.sum().backward()
-                g = h.grad
+                g = h.grad.save()
+                gx = x.grad.save()
+        h = seq[1](seq[0](x))
+        h.retain_grad()
+        seq[3](seq[2](h)).sum().backward()
+        torch.testing.assert_close(g, h.grad)
+        assert gx is not None and gx.shape == x.shape
 
 
 class TestThreads:
