@@ -30,7 +30,7 @@ from .capture import GRAD_NAME, SET_GRAD_NAME
 from .context import RUNTIME, BodyContext, body_job
 from .batching import merge
 from .errors import GradientError, OutOfOrderError
-from .mediator import _DONE
+from .mediator import _DONE, StopTrace
 from .workers import (
     _FINISHED,
     _getcurrent,
@@ -208,7 +208,15 @@ class Backward(BodyContext):
         self._last = None
 
     def _on_exit(self, frame):
-        self._run_in_scope(frame, self._run)
+        self._run_in_scope(frame, self._stoppable)
+
+    def _stoppable(self, scope) -> None:
+        """``_run``, where a ``tracer.stop()`` in the block ends the backward pass only: what
+        the block saved is kept and the code after the block runs (as in nnsight)."""
+        try:
+            self._run(scope)
+        except StopTrace:
+            pass
 
     # ---- running
 

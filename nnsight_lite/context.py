@@ -130,8 +130,8 @@ class BodyContext:
         stop = None
         try:
             run(scope)
-        except StopTrace as exc:  # an enclosing trace's tracer.stop(), or one in a backward
-            stop = exc  # block: it ends that trace, and what the body saved so far is kept
+        except StopTrace as exc:  # an enclosing trace's tracer.stop(): it ends that trace,
+            stop = exc  # and what the body saved so far is kept
         finally:
             stack.pop()
         target = frame.f_locals

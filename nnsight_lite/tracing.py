@@ -96,7 +96,9 @@ class Tracer(BodyContext):
 
     def stop(self) -> None:
         """End the model's forward here. Values saved so far are kept; later modules do not run,
-        and a read of one by another invoke raises ``MissedModuleError`` saying so."""
+        and a read of one by another invoke raises ``MissedModuleError`` saying so. Called in a
+        ``with loss.backward():`` block it ends that backward pass only, and the code after the
+        block runs."""
         raise StopTrace(self, user_location())
 
     def cond(self, *args, **kwargs):

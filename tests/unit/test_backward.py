@@ -206,6 +206,34 @@ class TestGradErrors:
         assert gx is not None and gx.shape == x.shape
 
 
+class TestStop:
+    def test_stop_in_a_backward_block_ends_only_the_backward(self, seq):
+        """``tracer.stop()`` in ``with loss.backward():`` ends that backward pass (earlier
+        layers get no gradient, the grad read before it is kept) and the trace body goes on
+        after the block (as in nnsight); the trace's own output is the plain forward's."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        seen = []
+        hook = seq[0].register_full_backward_hook(lambda m, gi, go: seen.append(1))
+        try:
+            with model.trace(x) as tracer:
+                h = model[2].output
+                out = model.output
+                with out.sum().backward():
+                    g = h.grad.save()
+                    tracer.stop()
+                after = out.clone().save()
+        finally:
+            hook.remove()
+        h = seq[2](seq[1](seq[0](x)))
+        h.retain_grad()
+        ref = seq[3](h)
+        ref.sum().backward()
+        torch.testing.assert_close(g, h.grad)
+        torch.testing.assert_close(after, ref)
+        assert seen == []  # (backprop never reached model[0])
+
+
 class TestThreads:
     def test_hooks_fire_on_calling_thread(self, seq):
         x = torch.randn(2, 6)
