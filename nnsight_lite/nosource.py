@@ -280,7 +280,8 @@ def _hook_inline(ctx, t, grad):
 
 
 def exit_inline_backward(ctx, exc_type, exc) -> bool:
-    """Let the backward finish (or end it when the body raised); remove every hook."""
+    """Let the backward finish (or end it when the body raised, or stopped: that ends only the
+    backward); remove every hook."""
     bwd, previous = ctx.__dict__["_inline"]
     user = _getcurrent()
     state = tls_state()
@@ -307,4 +308,5 @@ def exit_inline_backward(ctx, exc_type, exc) -> bool:
         now = tls_state()
         if now != state:
             set_tls_state(state, now)
-    return False
+    # tracer.stop() in the block ends the backward pass only (as Backward._stoppable)
+    return exc_type is not None and issubclass(exc_type, StopTrace)

@@ -178,6 +178,22 @@ def test_source_that_does_not_match_still_raises(net):
     assert "h" not in ns and _clean(net)
 
 
+def test_exec_string_stop_in_a_backward_block_ends_only_the_backward(net):
+    """Without source too, ``tracer.stop()`` in a backward block ends that backward pass: the
+    trace's code after the block runs, and a block outside any trace ends normally."""
+    x = torch.randn(3, 4)
+    ns = {"model": NNsight(net), "x": x}
+    _exec("with model.trace(x) as tr:\n    r = model[1].output.save()\n    out = model.output\n"
+          "    with out.sum().backward():\n        g = r.grad.clone()\n        tr.stop()\n"
+          "    after = out.clone().save()\n", ns)
+    r2 = net[1](net[0](x))
+    r2.retain_grad()
+    net[2](r2).sum().backward()
+    assert torch.equal(ns["g"], r2.grad) and torch.equal(ns["after"], net(x))
+    _exec("with after.sum().backward():\n    tr.stop()\nended = True\n", ns)
+    assert ns["ended"] is True and "grad" not in torch.Tensor.__dict__
+
+
 def test_exec_string_backward_block(net):
     """exec of a bare string: a backward block runs in place, reads the gradient plain autograd
     gives, edits what flows on, and leaves torch.Tensor.grad unpatched and no hook behind."""
