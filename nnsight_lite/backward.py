@@ -21,6 +21,7 @@ import contextvars
 import dis
 import functools
 import sys
+import warnings
 from collections import OrderedDict
 
 import greenlet
@@ -144,9 +145,13 @@ def read_grad(t):
     ctx = _current_backward()
     if ctx is not None:
         return ctx.request(t)
-    # (an activation that does not retain its grad has none: asking torch would also warn)
     if not isinstance(t, torch.Tensor) or t.is_leaf or t.retains_grad:
         return t.grad
+    with warnings.catch_warnings():  # (torch warns at reading a non-leaf's grad: the error
+        warnings.simplefilter("ignore", UserWarning)  # below says more, or one was assigned)
+        grad = t.grad
+    if grad is not None:
+        return grad
     raise GradientError(
         f".grad of an activation ({_describe(t)}) was read at {user_location()} outside a "
         "backward context. Activation gradients exist only while backprop runs: write\n"

@@ -182,8 +182,8 @@ class TestGradErrors:
 
     def test_old_idiom_reading_activation_grad(self, seq):
         """``h.grad`` of an activation outside a backward block raises GradientError, without
-        torch's own non-leaf warning first; an activation that retains its grad, or a leaf,
-        reads it as usual."""
+        torch's own non-leaf warning first; an activation that retains its grad, a leaf, or
+        one whose grad the body assigned reads it as usual."""
         model = NNsight(seq)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # (torch's "non-leaf Tensor" warning would raise)
@@ -199,6 +199,11 @@ class TestGradErrors:
                 model.output.sum().backward()
                 g = h.grad.save()
                 gx = x.grad.save()
+            with model.trace(x):  # (a gradient the body assigned reads back, as in torch)
+                a = model[2].output
+                a.grad = torch.ones(2, 6)
+                assigned = a.grad.save()
+        assert torch.equal(assigned, torch.ones(2, 6))
         h = seq[1](seq[0](x))
         h.retain_grad()
         seq[3](seq[2](h)).sum().backward()
