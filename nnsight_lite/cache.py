@@ -245,9 +245,11 @@ class Entry:
         return [_key(n) for n in records if _within(n, name)]
 
     def __contains__(self, key) -> bool:
+        if not isinstance(key, str):
+            return False
         try:
             self[key]
-        except (KeyError, TypeError):
+        except KeyError:
             return False
         return True
 
@@ -261,7 +263,8 @@ class Entry:
         records, name = self._records()
         full = key[len("model."):] if key.startswith("model.") else ("" if key == "model"
                                                                       else None)
-        for n in ((full,) if full is not None else ()) + (f"{name}.{key}" if name else key,):
+        # relative first: below an HF causal LM's root, "model" is its child `model`
+        for n in (f"{name}.{key}" if name else key,) + ((full,) if full is not None else ()):
             if _within(n, name) and n in records:
                 return self._view().__getitem__(_key(n))
         raise KeyError(f"{key!r} is not a module inside {_key(name)} in this cache; its keys: "
@@ -271,8 +274,9 @@ class Entry:
         view = self._view() if self._view is not None else None
         if view is None:
             raise TypeError(
-                "this cache entry was taken from a cache view no longer alive, so it cannot "
-                "list its submodules; take it from the view again (cache[\"model.layer1\"])")
+                "this cache entry is not part of a live cache view (the view was dropped, or "
+                "the entry was pickled on its own), so it cannot reach its submodules; keep "
+                "the view and take the entry from it (cache[\"model.layer1\"])")
         return view._records, self._name
 
     @property
@@ -438,6 +442,8 @@ class CacheView(Mapping):
         self._root = None
         self._records = state["_records"]
         self._include_inputs = state["_include_inputs"]
+        for name in self._records:  # (its entries reach their subtrees through it again)
+            self._give(name)
 
 
 class _Node:

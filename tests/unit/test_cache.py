@@ -288,9 +288,37 @@ class TestNavigation:
             block["head"]
         with pytest.raises(TypeError, match="indexed by a module's key"):
             block[0]
-        del cache
-        with pytest.raises(TypeError, match="no longer alive"):
+        back = pickle.loads(pickle.dumps(cache))  # (a loaded view's entries reach theirs)
+        assert back["model.block"].keys() == block.keys()
+        assert torch.equal(back["model.block"]["lin"].output, outs["block.lin"][0])
+        del cache, back
+        with pytest.raises(TypeError, match="not part of a live cache view"):
             block.keys()
+        with pytest.raises(TypeError, match="not part of a live cache view"):
+            "lin" in block  # noqa: B015
+
+    def test_a_relative_key_comes_before_a_full_one(self):
+        """Below a root whose child is named ``model`` (an HF causal LM's layout),
+        ``cache["model"]["model"]`` is that child's entry, not the root's."""
+        torch.manual_seed(0)
+
+        class Causal(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+                self.head = torch.nn.Linear(4, 2)
+
+            def forward(self, x):
+                return self.head(self.model(x))
+
+        net = Causal()
+        model = NNsight(net)
+        x = torch.randn(2, 3)
+        with model.trace(x) as tracer:
+            cache = tracer.cache()
+        inner = cache["model"]["model"]
+        assert inner is cache["model.model"] and torch.equal(inner.output, net.model(x))
+        assert cache["model"]["model.head"] is cache["model.head"]
 
     def test_missing_names(self, net, x8):
         """A name that is no module, or a module not cached, raises AttributeError; an unknown
