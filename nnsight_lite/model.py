@@ -17,6 +17,10 @@ from .remote.hook import take_backend
 from .tracing import Editor, Session, Tracer
 
 
+#: what an Envoy keeps that leads back to it, so that an edited copy does not share it
+_OWN_VIEWS = frozenset({"_source_view"})
+
+
 class NNsight(Envoy):
     """Wrap ``module`` to read and edit its activations inside ``with model.trace(...)`` blocks.
 
@@ -91,8 +95,9 @@ class NNsight(Envoy):
         (made again as they are reached, so their ``.parent`` and ``.root`` lead to it)."""
         new = object.__new__(type(self))
         d = new.__dict__
-        d.update((k, v) for k, v in self.__dict__.items()  # (not the Envoys a trace holds)
-                 if k.startswith("_") or not isinstance(v, Envoy))
+        d.update((k, v) for k, v in self.__dict__.items()  # (not the Envoys a trace holds,
+                 if (k.startswith("_") or not isinstance(v, Envoy))  # nor its .source view,
+                 and k not in _OWN_VIEWS)  # which holds it: each wrapper makes its own)
         d["_subs"] = {}
         d["_items"] = {}
         return new

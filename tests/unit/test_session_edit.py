@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -67,9 +68,11 @@ class TestEdit:
     def test_edited_copy_has_its_own_envoy_tree(self, seq):
         """The edited copy's children lead back to the copy (``.parent``, ``.root``), also
         where the original's children were reached first, and a trace of that root runs the
-        edit; after the original is dropped they still do."""
+        edit; its ``.source`` view is its own; the original wrapper is freed when dropped, and
+        the copy's links still hold."""
         model = NNsight(seq)
-        model[1]  # (the original's child Envoy exists before the copy is made)
+        model[1]  # (the original's child Envoy and .source view exist before the copy)
+        assert model.source._envoy is model
         with model.edit() as edited:
             edited[1].output[:] = 0
         assert edited[1].parent is edited and edited[2].root is edited
@@ -78,8 +81,11 @@ class TestEdit:
         with edited[3].root.trace(x):
             out = edited.output.save()
         torch.testing.assert_close(out, seq[3](seq[2](torch.zeros(2, 6))))
+        assert edited.source._envoy is edited
+        original = weakref.ref(model)
         del model
         gc.collect()
+        assert original() is None  # (the copy holds nothing of the original wrapper)
         assert edited[1].parent is edited and edited[1].root is edited
 
     def test_inplace_and_clear(self, seq):
