@@ -49,12 +49,12 @@ class Tree:
         #: module path ("" = root) -> {alias: path of names below that module}
         self.aliases: dict[str, dict[str, tuple]] = {}
         #: [(key, Envoy subclass)]: a module class, or a dotted path suffix (``*`` allowed)
-        if isinstance(envoys, type):  # one class for every module's Envoy (as nnsight takes it)
-            envoys = {torch.nn.Module: envoys}
+        if isinstance(envoys, type) and _is_envoy_class(envoys):  # one class for every
+            envoys = {torch.nn.Module: envoys}  # module's Envoy (as nnsight takes it)
         elif envoys is not None and not hasattr(envoys, "items"):
             raise TypeError(
                 f"envoys= takes an Envoy subclass (for every module) or a dict of them by module "
-                f"class or path suffix, got {type(envoys).__name__}")
+                f"class or path suffix, got {envoys!r}")
         self.classes: list = list((envoys or {}).items())
         for key, cls in self.classes:
             if not (isinstance(cls, type) and _is_envoy_class(cls)):

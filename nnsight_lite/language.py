@@ -141,7 +141,7 @@ _PROMPT_KWARGS = frozenset({"input_ids", "inputs_embeds"})  # (a mask alone is n
 def _keywords_only(call: str, inputs: tuple, kwargs: dict) -> bool:
     """Whether ``model.<call>(...)`` was given keywords but no input (no prompt, ``input_ids``
     or ``inputs_embeds``): they are for the forward (or generate) of the batch its invokes make,
-    an ``attention_mask`` too (it replaces the mask of the padded batch, as in nnsight).
+    an ``attention_mask`` too (it replaces the mask of the padded batch; nnsight does so in a trace).
     Tokenizer options there raise InputError."""
     if inputs or not kwargs or not _PROMPT_KWARGS.isdisjoint(kwargs):
         return False
@@ -308,10 +308,10 @@ class LanguageModel(NNsight):
             with model.trace(["Hello world", "Hi"]):        # one invoke, two rows
                 logits = model.lm_head.output.save()
 
-        Given no input (no prompt, ``input_ids``, ``inputs_embeds`` or ``attention_mask``), its
-        keywords go to the forward of the batch the invokes make (``model.trace(use_cache=
-        False)``); an invoke's keyword of the same name yields to them (a warning says so
-        where the values differ). With ``trace=False`` it runs the plain forward on the
+        Given no input (no prompt, ``input_ids`` or ``inputs_embeds``), its keywords go to the
+        forward of the batch the invokes make (``model.trace(use_cache=False)``; an
+        ``attention_mask`` replaces the padded batch's); an invoke's keyword of the same name
+        yields to them (a warning says so where the values differ). With ``trace=False`` it runs the plain forward on the
         tokenized inputs and returns the model's output.
         """
         if not (kwargs and wants_remote(kwargs)):  # remote: the weights stay on the server

@@ -402,7 +402,7 @@ class Mediator:
         path = envoy._path
         call = self.iteration
         return OutOfOrderError(
-            f"{self.label()} used {path}.input at {user_location()}" + (
+            f"{self.label()} used {path}.input (or .inputs) at {user_location()}" + (
                 f" (call {call})" if call else "") + f" after {path}.skip(...) for the same "
             f"call: a skipped module does not run, so its input is no longer used (and it may "
             f"be the very tensor given to skip). Read or edit {path}.input before calling "

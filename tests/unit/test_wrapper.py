@@ -409,8 +409,10 @@ class TestEnvoyClasses:
     def test_value_must_be_an_envoy_class(self):
         with pytest.raises(TypeError, match=r"must be an Envoy subclass"):
             NNsight(Top(), envoys={torch.nn.Linear: dict})
-        with pytest.raises(TypeError, match=r"envoys= takes an Envoy subclass .* got list"):
+        with pytest.raises(TypeError, match=r"envoys= takes an Envoy subclass .* got \[<class"):
             NNsight(Top(), envoys=[Doubling])
+        with pytest.raises(TypeError, match=r"envoys= takes an Envoy subclass .* got <class 'int'>"):
+            NNsight(Top(), envoys=int)
 
     def test_one_class_for_every_module(self):
         """``envoys=MyEnvoy`` (one class, as nnsight takes it) is every child module's Envoy."""
