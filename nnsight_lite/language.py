@@ -141,8 +141,8 @@ _PROMPT_KWARGS = frozenset({"input_ids", "inputs_embeds"})  # (a mask alone is n
 def _keywords_only(call: str, inputs: tuple, kwargs: dict) -> bool:
     """Whether ``model.<call>(...)`` was given keywords but no input (no prompt, ``input_ids``
     or ``inputs_embeds``): they are for the forward (or generate) of the batch its invokes make,
-    an ``attention_mask`` too (it replaces the mask of the padded batch; nnsight does so in a trace).
-    Tokenizer options there raise InputError."""
+    an ``attention_mask`` too (it replaces the mask of the padded batch; nnsight does so in a
+    trace). Tokenizer options there raise InputError."""
     if inputs or not kwargs or not _PROMPT_KWARGS.isdisjoint(kwargs):
         return False
     tok = sorted(k for k in kwargs if k in prompts.TOKENIZER_KWARGS)
