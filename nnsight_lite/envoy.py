@@ -509,9 +509,17 @@ class Envoy:
         if editor is not None:  # `with model.edit() as (tracer, edited):` (tracing.Editor)
             return iter((editor, self))
         module = self._module
-        if isinstance(module, torch.nn.ModuleDict):
-            return iter(module.keys())
+        if isinstance(module, torch.nn.ModuleDict):  # its children's Envoys, as in nnsight
+            return (self[k] for k in list(module.keys()))  # (torch's loop gives the keys)
         return (self[i] for i in range(len(self)))
+
+    def __contains__(self, item) -> bool:
+        """A key of a ModuleDict (as torch's ``in``); else whether ``item`` is one of the
+        children's Envoys or modules."""
+        module = self._module
+        if isinstance(module, torch.nn.ModuleDict) and isinstance(item, str):
+            return item in module
+        return any(item is env or item is env._module for env in self)
 
     def __bool__(self) -> bool:
         """True, as for any module; an empty ModuleList/Sequential/ModuleDict's Envoy is False

@@ -149,10 +149,31 @@ class TestTree:
         assert model[1] is model[1]  # cached
 
     def test_module_dict(self):
-        md = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2)})
+        """A ModuleDict's Envoy indexes by key; a loop over it gives the children's Envoys (as
+        nnsight's does: ``[blk.output for blk in model.blocks]``), ``.keys()`` the keys, and
+        ``in`` asks for a key."""
+        torch.manual_seed(0)
+        md = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
         model = NNsight(torch.nn.Sequential(md))
         assert model[0]["a"]._module is md["a"]
-        assert list(model[0]) == ["a"]
+        assert list(model[0]) == [model[0]["a"], model[0]["b"]]
+        assert list(model[0].keys()) == ["a", "b"] and "a" in model[0] and "c" not in model[0]
+
+        class Two(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = md
+
+            def forward(self, x):
+                return self.blocks["b"](self.blocks["a"](x))
+
+        net = Two()
+        wrapped = NNsight(net)
+        x = torch.randn(3, 2)
+        with wrapped.trace(x):
+            outs = nnsight_lite.save([blk.output for blk in wrapped.blocks])
+        torch.testing.assert_close(outs[0], md["a"](x))
+        torch.testing.assert_close(outs[1], net(x))
 
     def test_other_attributes_pass_through(self, net):
         model = NNsight(net)
