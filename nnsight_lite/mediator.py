@@ -201,7 +201,8 @@ class Mediator:
 
     __slots__ = ("interleaver", "index", "batch", "scope", "run_fn", "greenlet", "parent", "done",
                  "pending", "pending_envoy", "cur_key", "cur_value", "replaced", "skip_value",
-                 "tls", "iteration", "iter_depth", "shared", "snapshot", "assigned")
+                 "tls", "iteration", "iter_depth", "shared", "snapshot", "assigned",
+                 "loop_ended")
 
     inline = False  # True: the body runs in the user's own greenlet (nosource.py), never unwound
 
@@ -226,6 +227,7 @@ class Mediator:
         self.shared = None  # the trace's scope, where this invoke publishes what it binds
         self.snapshot = None  # the trace body's names as of this invoke
         self.assigned = ()  # the names this invoke's body may bind (what publish copies)
+        self.loop_ended = None  # the slot an open step loop waited on when the forward ended it
 
     def label(self) -> str:
         """How messages name this body: ``invoke 2`` (counting the trace's own invokes from 0),
@@ -414,6 +416,16 @@ class Mediator:
         where = user_location()
         what = f"{envoy._path}.{kind}" + (f" (call {call})" if call else "")
         if self.interleaver.finished:
+            ended = self.loop_ended
+            if ended is not None:
+                return MissedModuleError(
+                    f"{self.label()} asked for {what} at {where}, after the model's forward "
+                    f"had finished: the open step loop before it (tracer.iter[k:] or "
+                    f"tracer.all()) waited for one more call of {ended.label()}, and such a "
+                    "loop ends only when the forward does. Read it inside the loop, at the "
+                    "step it runs in, or give the loop its number of steps "
+                    "(tracer.iter[k:n])."
+                )
             return MissedModuleError(
                 f"{self.label()} asked for {what} at {where}, after the model's forward "
                 "had already finished. Read module values while the model runs, before the end "

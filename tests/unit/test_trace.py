@@ -377,6 +377,19 @@ class TestStopAndCalls:
         assert steps[1][1] == pytest.approx(seen[("shared", 1)].sum().item())
         assert after == ["loop ended"]
 
+    def test_a_read_after_an_open_loop_says_the_loop_ran_to_the_end(self, net, x8):
+        """After ``for step in tracer.all():`` over a module the model calls twice, the loop
+        ends with the forward; a read of a later module after it names the loop and the fix
+        (read it in the loop, or bound the loop), not just 'after the forward'."""
+        model = NNsight(net)
+        with pytest.raises(MissedModuleError, match=r"model\.head\.output .*the open step loop "
+                                                    r"before it .*one more call of model\.shared"
+                                                    r".*tracer\.iter\[k:n\]"):
+            with model.trace(x8) as tracer:
+                for step in tracer.all():
+                    model.shared.output
+                model.head.output.save()
+
 
 class TestScan:
     def test_scan_gives_shapes_without_compute(self, net):
