@@ -35,6 +35,7 @@ from .errors import (
     OutOfOrderError,
     OutsideTraceError,
     SourceUnavailableError,
+    WithBlockNotFoundError,
 )
 from .language import Generator, LanguageModel
 from .model import NNsight
@@ -62,6 +63,7 @@ __all__ = [
     "ModulePathError",
     "OutsideTraceError",
     "SourceUnavailableError",
+    "WithBlockNotFoundError",
     "BodySyntaxError",
     "BatchingError",
     "InputError",

@@ -67,6 +67,11 @@ class NoSourceError(SourceUnavailableError):
     plain string): a trace given inputs and a backward block then run in place (nosource.py)."""
 
 
+class WithBlockNotFoundError(SourceUnavailableError):
+    """``model.trace(...)`` (or another body context) was entered without a with-statement,
+    by calling ``__enter__()`` itself (the name nnsight 0.8 gives this error)."""
+
+
 class BodySyntaxError(NNsightError, SyntaxError):
     """A statement that cannot live at the top level of a trace body (``return``, ``yield``)."""
 

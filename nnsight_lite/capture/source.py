@@ -39,7 +39,7 @@ import weakref
 from collections import OrderedDict
 from types import CodeType, FrameType
 
-from ..errors import NoSourceError, SourceUnavailableError
+from ..errors import NoSourceError, SourceUnavailableError, WithBlockNotFoundError
 from .rewrite import rewrite_body
 
 #: the future-feature bits of ``co_flags``, which compile() takes as flags
@@ -90,7 +90,28 @@ def find_with(frame: FrameType, what: str):
         if not isinstance(why, str):
             return why, lines
         tried.append((origin, why))
+    if not _entered_by_with(frame):
+        raise WithBlockNotFoundError(
+            f"`...{what}(...)` was entered at {filename}:{lineno} by calling __enter__() "
+            f"directly; nnsight_lite runs the body of a with-statement, so use it as one: "
+            f"`with ...{what}(...):` followed by the indented code to run."
+        )
     raise _unavailable(filename, lineno, what, tried)
+
+
+#: the instructions that enter a context manager for a with-statement (3.10: SETUP_WITH)
+_WITH_OPS = frozenset(dis.opmap[n] for n in ("BEFORE_WITH", "SETUP_WITH", "BEFORE_ASYNC_WITH",
+                                             "SETUP_ASYNC_WITH") if n in dis.opmap)
+
+
+def _entered_by_with(frame: FrameType) -> bool:
+    """Whether ``frame``'s last instruction entered a with-statement (True where this Python's
+    instructions are not known: 3.14 enters one with a plain call)."""
+    if sys.version_info >= (3, 14) or not _WITH_OPS:
+        return True
+    code = frame.f_code.co_code
+    i = frame.f_lasti
+    return not 0 <= i < len(code) or code[i] in _WITH_OPS
 
 
 #: compiled body (and every function in it) -> the proven source lines it was compiled from:

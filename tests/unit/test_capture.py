@@ -142,6 +142,23 @@ class TestPlacesABodyCanSit:
         with pytest.raises(SourceUnavailableError, match="no source for '<string>'.*Jupyter"):
             exec(compile(src, "<string>", "exec"), ns)
 
+    def test_entered_without_a_with_statement(self, model, seq):
+        """``model.trace(x).__enter__()`` (no with-statement) says to use a with-statement (the
+        error nnsight 0.8 names WithBlockNotFoundError), not that the file was edited; nothing
+        is left on the model."""
+        from tests.strategies import leftovers
+
+        x = torch.randn(2, 6)
+        tracer = model.trace(x)
+        with pytest.raises(nnsight_lite.WithBlockNotFoundError,
+                           match=r"`\.\.\.trace\(\.\.\.\)` was entered at .*test_capture\.py:\d+ "
+                                 r"by calling __enter__\(\) directly.*`with \.\.\.trace"):
+            tracer.__enter__()
+        assert leftovers(seq) == []
+        with model.trace(x):
+            out = model.output.save()
+        torch.testing.assert_close(out, seq(x))
+
     def test_ipython_cell(self, seq):
         IPython = pytest.importorskip("IPython")
         from IPython.core.interactiveshell import InteractiveShell
