@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import logging
 import sys
 import warnings
 import weakref
@@ -302,22 +303,13 @@ class Tracer(BodyContext):
         self._inter = inter
         try:
             if self._scan:
-                _run_fake(inter, self.model, args, kwargs)
+                _on_runner(lambda: _run_fake(inter, self.model, args, kwargs))
             else:
-                self._drive(inter, lambda: self._forward(inter, args, kwargs))
+                _on_runner(lambda: inter.run(lambda: self._forward(inter, args, kwargs)))
         finally:
             self._inter = None
             for made_scope in made:
                 made_scope.reset()
-
-    def _drive(self, inter: Interleaver, forward) -> None:
-        """Run ``forward()`` with the bodies interleaved, on a worker greenlet: here the
-        with-statement's exit is handling the skipped body's ``SkipBody``, and Python would
-        chain to it every error the model's code raises and catches (HF raises hundreds of
-        AttributeErrors a generate step); in the worker no exception is being handled."""
-        worker = _take_worker(RUNNER)
-        worker.gr_context = contextvars.copy_context()
-        switch_job(worker, lambda: inter.run(forward))
 
     def _forward(self, inter: Interleaver, args: tuple, kwargs: dict):
         """What runs under the interleaver: the model's forward (``model.generate`` runs HF
@@ -381,6 +373,16 @@ def _add_edits(inter: Interleaver, model) -> list:
     return made
 
 
+def _on_runner(job) -> None:
+    """Run ``job()`` (the forward with the bodies interleaved) on a worker greenlet: here the
+    with-statement's exit is handling the skipped body's ``SkipBody``, and Python would chain
+    to it every error the model's code raises and catches (HF raises hundreds of
+    AttributeErrors a generate step); in the worker no exception is being handled."""
+    worker = _take_worker(RUNNER)
+    worker.gr_context = contextvars.copy_context()
+    switch_job(worker, job)
+
+
 def _run_fake(inter: Interleaver, model, args, kwargs):
     """Run the interleaved forward on fake tensors: shapes and dtypes, no real compute."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -397,8 +399,15 @@ def _run_fake(inter: Interleaver, model, args, kwargs):
 
     f_args = tuple(fake(a) for a in args)
     f_kwargs = {k: fake(v) for k, v in kwargs.items()}
-    with mode:
-        inter.run(lambda: model._run_forward(f_args, f_kwargs))
+    # (torch logs the traceback of an op its fake tensors cannot run before raising it: the
+    # error the scan raises says the same)
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, log.disabled = log.disabled, True
+    try:
+        with mode:
+            inter.run(lambda: model._run_forward(f_args, f_kwargs))
+    finally:
+        log.disabled = disabled
 
 
 class Invoker(BodyContext):

@@ -402,6 +402,29 @@ class TestScan:
         assert tuple(logits_shape) == (5, 2)
         assert all(type(n) is int for n in (*shape, *logits_shape))
 
+    def test_a_wrong_shape_in_scan_raises_torchs_error_alone(self, net, caplog):
+        """A scan whose input the model cannot take raises torch's shape error, without torch's
+        fake-tensor log of the same traceback on stderr and without the skipped body's
+        internal exception chained to it; the model is left clean and traces again."""
+        from tests.strategies import leftovers
+
+        model = NNsight(net)
+        with pytest.raises(RuntimeError, match=r"must have same reduction dim|shapes cannot be "
+                                               r"multiplied|size mismatch") as info:
+            with model.scan(torch.randn(5, 7)):
+                model.layers[0].output.shape
+        chain, exc = [], info.value
+        while exc is not None:
+            chain.append(type(exc).__name__)
+            exc = exc.__context__
+        assert "SkipBody" not in chain, chain
+        assert not [r for r in caplog.records if "failed while attempting" in r.getMessage()]
+        assert leftovers(net) == []
+        x = torch.randn(2, 8)
+        with model.trace(x):
+            out = model.output.save()
+        torch.testing.assert_close(out["logits"], net(x)["logits"])
+
     def test_a_data_dependent_value_in_scan_is_a_symbol(self, net):
         """``.item()`` on a fake tensor has no value: in a scan it is a symbol (as nnsight's
         scan gives) where it raised torch's DataDependentOutputException."""
