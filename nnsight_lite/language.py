@@ -311,8 +311,8 @@ class LanguageModel(NNsight):
         Given no input (no prompt, ``input_ids`` or ``inputs_embeds``), its keywords go to the
         forward of the batch the invokes make (``model.trace(use_cache=False)``; an
         ``attention_mask`` replaces the padded batch's); an invoke's keyword of the same name
-        yields to them (a warning says so where the values differ). With ``trace=False`` it runs the plain forward on the
-        tokenized inputs and returns the model's output.
+        yields to them (a warning says so where the values differ). With ``trace=False`` it
+        runs the plain forward on the tokenized inputs and returns the model's output.
         """
         if not (kwargs and wants_remote(kwargs)):  # remote: the weights stay on the server
             self.dispatch()
