@@ -211,6 +211,17 @@ def _index(obj) -> int:
     return obj.index
 
 
+def _has_key(self, key) -> bool:
+    """``key in`` a view or an entry: whether indexing it by that (string) key finds an entry."""
+    if not isinstance(key, str):
+        return False
+    try:
+        self[key]
+    except KeyError:
+        return False
+    return True
+
+
 class Entry:
     """What a cache recorded for one module.
 
@@ -244,14 +255,7 @@ class Entry:
         records, name = self._records()
         return [_key(n) for n in records if _within(n, name)]
 
-    def __contains__(self, key) -> bool:
-        if not isinstance(key, str):
-            return False
-        try:
-            self[key]
-        except KeyError:
-            return False
-        return True
+    __contains__ = _has_key
 
     def __getitem__(self, key) -> "Entry":
         """A submodule's entry by its key relative to this module (``e["fc"]``,
@@ -371,14 +375,7 @@ class CacheView(Mapping):
     def __len__(self) -> int:
         return len(self._records)
 
-    def __contains__(self, key) -> bool:
-        if not isinstance(key, str):
-            return False
-        try:
-            self[key]
-        except KeyError:
-            return False
-        return True
+    __contains__ = _has_key
 
     def _give(self, name: str) -> Entry:
         """The entry at path ``name``, knowing this view and its path (for its ``keys()``)."""
