@@ -38,7 +38,7 @@ import weakref
 import torch
 
 from .errors import ModulePathError, OutOfOrderError, SourceUnavailableError
-from .interleaver import Slot
+from .calls import Slot
 from .mediator import INPUT, current_mediator
 from .opnames import numbered_like_08
 from .workers import _getcurrent, user_location

@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import nnsight_lite  # noqa: F401  (patches Tensor.save / Tensor.backward once)
-from nnsight_lite.interleaver import Slot, _traced
+from nnsight_lite.calls import Slot
+from nnsight_lite.install import _traced
 from tests.helpers import suspended_bodies
 
 settings.register_profile(

@@ -1,4 +1,4 @@
-"""Putting the counting wrappers on for a trace and taking them off (interleaver._install).
+"""Putting the counting wrappers on for a trace and taking them off (install.py).
 
 From the second trace of a model on, the wrappers are swapped in with a few bulk operations;
 every change the model may have had between traces must still be seen, and the module must be
