@@ -295,13 +295,13 @@ class Envoy:
     @property
     def iter(self):
         """nnsight 0.5-0.8's alias of ``tracer.iter`` (deprecated there): ``model.iter[1:3]``."""
-        from .tracing import _IterIndexer
+        from .steps import _IterIndexer
 
         return _IterIndexer()
 
     def all(self):
         """nnsight 0.5-0.8's alias of ``tracer.all()`` (deprecated there): ``model.all()``."""
-        from .tracing import _iterate
+        from .steps import _iterate
 
         return _iterate(slice(None), "model.all()")
 

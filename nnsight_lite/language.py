@@ -41,11 +41,12 @@ import torch
 
 from . import prompts
 from .backward import _called_as_context
+from .capture import names_read
 from .envoy import Envoy
 from .errors import InputError, NNsightError
 from .model import NNsight
 from .remote.hook import take_backend, wants_remote
-from .tracing import Tracer, _names_read
+from .tracing import Tracer
 
 #: Keyword arguments of ``LanguageModel(...)`` that also apply to loading the config.
 _CONFIG_KWARGS = frozenset({
@@ -556,7 +557,7 @@ class Generator(Tracer):
         streamer or a body names it (HF refuses a streamer in some modes, beam search, so
         not otherwise)."""
         return self._gen_kwargs.get("streamer") is not None or \
-            "streamer" in _names_read(self._body.code)
+            "streamer" in names_read(self._body.code)
 
     def _result_envoy(self):
         return self.model.generator

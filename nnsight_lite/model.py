@@ -14,7 +14,8 @@ from .aliases import Tree
 from .batching import batch_size_of, concat_inputs
 from .envoy import Envoy
 from .remote.hook import take_backend
-from .tracing import Editor, Session, Tracer
+from .sessions import Editor, Session
+from .tracing import Tracer
 
 
 #: what an Envoy keeps that leads back to it, so that an edited copy does not share it

@@ -13,18 +13,14 @@ an invoke's keyword of the same name yields to them, with a warning where the va
 from __future__ import annotations
 
 import contextvars
-import itertools
 import logging
-import sys
 import warnings
-import weakref
 
 import torch
 
 from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patches backward)
-from .capture import ITER_BLOCK_NAME, Scope
+from .capture import Scope
 from .context import RUNTIME, BodyContext, body_job
-from .envoy import Envoy
 from .errors import InputError, InvokeError, NNsightError
 from .interleaver import Interleaver
 from .mediator import (
@@ -36,6 +32,8 @@ from .mediator import (
     wait_for_name,
 )
 from .remote.hook import take_backend
+from .sessions import _Held
+from .steps import _iterate, _IterIndexer
 from .workers import RUNNER, _getcurrent, _take_worker, switch_job, user_location
 
 _CPU = torch.device("cpu")
@@ -438,241 +436,6 @@ class Invoker(BodyContext):
         # trace's _run groups the invokes by it (see there)
         self._home = None if frame.f_code is self._tracer._body.code else frame
         self._tracer._invokes.append(self)
-
-
-class Session(BodyContext):
-    """``with model.session():`` - several traces in a row that share their values.
-
-    Example::
-
-        with model.session():
-            with model.trace(x1):
-                h = model.layer1.output          # no .save() needed inside the session
-            with model.trace(x2):
-                model.layer1.output[:] = h
-                out = model.output.save()        # only saved values leave the session
-
-    Traces of other models may use the session's values too.
-    """
-
-    _what = "session"
-
-    def __init__(self, model=None, backend=None):
-        self._model = model
-        self._backend = backend  # remote: the whole session runs on a served model
-
-    def _on_exit(self, frame):
-        if self._backend is not None:
-            from .remote.client import run_remote
-
-            return run_remote(self, frame, self._model)
-        self._run_in_scope(frame, self._run)
-
-    def _run(self, scope):
-        try:
-            exec(self._body.code, scope)
-        except StopTrace:
-            pass
-
-
-class Editor(BodyContext):
-    """``with model.edit() as edited:`` - record the body as an edit applied on every trace.
-
-    Example::
-
-        with model.edit() as edited:
-            edited.layer1.output[:] = 0         # use `edited`, or `model` with inplace=True
-        with edited.trace(x):
-            out = edited.output.save()          # layer1 zeroed; model itself is unchanged
-
-    nnsight 0.8's ``with model.edit() as (tracer, edited):`` works too. ``model.edit(inplace=True)`` edits ``model`` itself; ``model.clear_edits()`` removes all edits.
-    Edits run before the trace's own bodies, on the whole batch.
-    """
-
-    _what = "edit"
-
-    def __init__(self, target):
-        self._target = target
-
-    def __enter__(self):
-        self._capture(sys._getframe(1))
-        # nnsight 0.8 binds `(tracer, edited)`: `as (tracer, edited)` unpacks the Envoy right
-        # after this returns, and its __iter__ then gives (this editor, the Envoy) once
-        self._target.__dict__["_unpacking"] = self
-        return self._target
-
-    def __exit__(self, exc_type, exc, tb):
-        self._target.__dict__.pop("_unpacking", None)
-        return super().__exit__(exc_type, exc, tb)
-
-    def _on_exit(self, frame):
-        # The caller's variables the body reads, as the edit was written. Those that are the
-        # edited model itself are kept as names only (bound at each trace): the model holding
-        # its own edit would be a reference cycle, freed only by the garbage collector (so is
-        # this editor, 0.8's `tracer`: dropped).
-        target = self._target
-        f_locals = frame.f_locals
-        snapshot = {k: f_locals[k] for k in _names_read(self._body.code) if k in f_locals}
-        selves = tuple(k for k, v in snapshot.items() if v is target)
-        for k in selves:
-            del snapshot[k]
-        for k in [k for k, v in snapshot.items() if v is self]:
-            del snapshot[k]
-        # a submodule's edit lives on a wrapper its Envoy holds: an Envoy that holds it (that
-        # one, one above it) is held weakly, or the model would hold itself
-        for k, v in snapshot.items():
-            if isinstance(v, Envoy) and _holds(v, target):
-                snapshot[k] = _Held(v)
-        edit = (self._body, snapshot, frame.f_globals, selves)
-        target.__dict__["_edits"] = target._edits + (edit,)
-
-
-def _holds(envoy, target) -> bool:
-    """Whether ``envoy`` holds the wrapper ``target`` (a submodule's own, made by its
-    ``edit``): it is that submodule's Envoy, or one of a module above it."""
-    if envoy.__dict__.get("_wrapped_alone") is target:
-        return True
-    module = target._module
-    return envoy._module is not module and any(m is module for m in envoy._module.modules())
-
-
-class _Held:
-    """An Envoy a submodule's edit reads, held weakly (see Editor._on_exit)."""
-
-    __slots__ = ("ref",)
-
-    def __init__(self, envoy):
-        self.ref = weakref.ref(envoy)
-
-    def get(self, name: str, body):
-        envoy = self.ref()
-        if envoy is None:
-            raise NNsightError(
-                f"the edit made at {body.filename}:{body.lineno} reads `{name}`, a model that has "
-                "since been dropped; keep the model while its submodule's edits are in use"
-            )
-        return envoy
-
-
-def _names_read(code) -> set:
-    """Every name ``code`` (and code nested in it) may look up: a superset is fine."""
-    names = set(code.co_names) | set(code.co_freevars)
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):
-            names |= _names_read(const)
-    return names
-
-
-class _IterIndexer:
-    """``tracer.iter[i]``, ``tracer.iter[a:b]``, ``tracer.iter[[i, j]]``."""
-
-    def __getitem__(self, item):
-        return _iterate(item, "tracer.iter[...]")
-
-
-def _iterate(item, form: str):
-    med = current_mediator(None, "iter")
-    ends = (item.start, item.stop) if isinstance(item, slice) else \
-        (item,) if isinstance(item, int) else tuple(item)
-    bad = [i for i in ends if i is not None and i < 0]
-    if bad:
-        raise InputError(
-            f"tracer.iter step cannot be negative ({bad[0]}, at {user_location()}): steps count "
-            "from the first call (0); the number of steps is not known while the model runs. "
-            "Use tracer.all() (or tracer.iter[k:]) and keep what the last step gives."
-        )
-    if isinstance(item, int):
-        steps = iter((item,))
-    elif isinstance(item, slice):
-        start = item.start or 0
-        step = item.step or 1
-        stop = item.stop
-        if stop is None:  # open: as many steps as the model makes (generate: max_new_tokens,
-            stop = med.interleaver.steps  # so a step that reads nothing cannot loop for ever)
-        steps = iter(range(start, stop, step)) if stop is not None else \
-            itertools.count(start, step)
-    else:
-        steps = iter(list(item))
-    return _Steps(_iteration(med, steps, form if type(steps) is itertools.count else None), form)
-
-
-class _Steps:
-    """What ``tracer.iter[...]`` / ``tracer.all()`` return: iterate it with ``for``. The older
-    block form ``with tracer.iter[...] as step:`` written in a body is compiled into that loop
-    (capture/rewrite.py); entered any other way (a function defined outside the body) it
-    raises an error showing the ``for`` form."""
-
-    __slots__ = ("_steps", "_form")
-
-    def __init__(self, steps, form: str):
-        self._steps = steps
-        self._form = form
-
-    def __iter__(self):
-        return self._steps
-
-    def __enter__(self):
-        what = self._form
-        raise NNsightError(
-            f"`with {what}:` (nnsight's older block form) runs only where a body's own code "
-            f"opens it as `with tracer.iter[...]:` or `with tracer.all():`; here (at "
-            f"{user_location()}) loop over the steps instead:\n"
-            f"    for step in {what}:\n        ...  # runs once per step, `step` is the step index"
-        )
-
-    def __exit__(self, *exc):  # pragma: no cover - __enter__ always raises
-        return False
-
-
-def _block_steps(steps, bind: bool):
-    """What ``with <x>.iter[...] [as step]:`` in a body loops over (capture/rewrite.py): the
-    steps of ``tracer.iter``/``tracer.all()`` (``()`` for each where nothing is bound), or, for
-    any other object that merely reads like one, a single pass inside ``with steps``."""
-    if isinstance(steps, _Steps):
-        return steps if bind else map(_nothing, steps)
-    return _once(steps, bind)
-
-
-def _nothing(_step):
-    return ()
-
-
-def _once(manager, bind: bool):
-    with manager as value:
-        yield value if bind else ()
-
-
-RUNTIME[ITER_BLOCK_NAME] = _block_steps
-
-
-def _iteration(med, steps, open_form=None):
-    """The steps of a ``tracer.iter`` / ``tracer.all()`` loop. An open one (``open_form``: how
-    the user wrote it) ends when a read finds no further call; a body whose steps read nothing
-    never gets there, so after ``_IDLE_STEPS`` such steps in a row it raises instead of
-    spinning (generate bounds its open loops by max_new_tokens instead)."""
-    prev = (med.iteration, med.iter_depth)
-    med.iter_depth += 1
-    idle = 0
-    try:
-        for i in steps:
-            med.iteration = i
-            med.pending_envoy = None  # (set again by each read that waits for the model)
-            yield i
-            if open_form is not None:
-                idle = idle + 1 if med.pending_envoy is None else 0
-                if idle >= _IDLE_STEPS:
-                    raise NNsightError(
-                        f"`for step in {open_form}:` ran {idle:,} steps in a row without "
-                        f"reading a module value (at {user_location()}). An open loop over a "
-                        "module's calls ends when a read finds no further call, so steps "
-                        "that read nothing never reach the end: bound the loop "
-                        "(tracer.iter[:n], tracer.iter[k]) or read a module in every step."
-                    )
-    finally:
-        med.iteration, med.iter_depth = prev
-
-
-_IDLE_STEPS = 10_000_000  # read-less steps in a row that end an open loop with an error (~1 s)
 
 
 __all__ = ["Tracer", "Invoker"]

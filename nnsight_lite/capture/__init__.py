@@ -4,14 +4,14 @@ One job per module:
 
     source.py   find the with-statement's source and prove it is the running code
     rewrite.py  what a body is compiled into (``x.save()``, ``x.grad``, nested with-blocks)
-    body.py     ``find_body(frame)``: the compiled body of a call site (cached)
+    body.py     ``find_body(frame)``: the compiled body of a call site (cached); ``names_read``
     skip.py     skipping the body's inline execution (line tracer, or a flag in compiled bodies)
     scope.py    ``Scope``, the namespace a body runs in, and ``write_back`` into the caller
 
 The names below are what the rest of the package uses.
 """
 
-from .body import Body, find_body
+from .body import Body, find_body, names_read
 from .rewrite import (
     GRAD_NAME,
     INLINE_NAME,
@@ -34,7 +34,7 @@ from .skip import (
 )
 
 __all__ = [
-    "Body", "find_body", "GRAD_NAME", "INLINE_NAME", "ITER_BLOCK_NAME",
+    "Body", "find_body", "names_read", "GRAD_NAME", "INLINE_NAME", "ITER_BLOCK_NAME",
     "ITER_END_NAME", "NAME_NAME", "SAVE_NAME",
     "SET_GRAD_NAME", "IterationEnd", "class_body_name", "Scope", "caller_scope", "write_back",
     "SkipBody", "body_runs_inline", "cancel_inline_skip", "restore_tracing", "skip_body",

@@ -98,3 +98,12 @@ def _compile_body(frame: FrameType, what: str) -> Body:
     body.skip_error = skip_error
     body.assigned = assigned_names(node.body)
     return body
+
+
+def names_read(code) -> set:
+    """Every name ``code`` (and code nested in it) may look up: a superset is fine."""
+    names = set(code.co_names) | set(code.co_freevars)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= names_read(const)
+    return names

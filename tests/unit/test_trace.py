@@ -541,9 +541,9 @@ def test_an_open_loop_whose_steps_read_nothing_raises_instead_of_spinning(seq, m
     """In a trace (no generation length to bound it), ``for step in tracer.all():`` whose
     steps stop reading modules could never reach the end of the model's calls: after a long
     run of such steps it raises saying so (it spun for ever), and the model is left clean."""
-    from nnsight_lite import tracing
+    from nnsight_lite import steps
 
-    monkeypatch.setattr(tracing, "_IDLE_STEPS", 1000)
+    monkeypatch.setattr(steps, "_IDLE_STEPS", 1000)
     model = NNsight(seq)
     x = torch.randn(2, 6)
     with pytest.raises(NNsightError, match="1,000 steps in a row without reading a module"):

@@ -1,0 +1,131 @@
+"""``model.session()`` and ``model.edit()``: bodies that are not one forward.
+
+    Session   ``with model.session():`` - traces in a row sharing their values
+    Editor    ``with model.edit() as edited:`` - a body recorded and run before every trace's
+              own bodies (tracing._add_edits runs them)
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+from .capture import names_read
+from .context import BodyContext
+from .envoy import Envoy
+from .errors import NNsightError
+from .mediator import StopTrace
+
+
+class Session(BodyContext):
+    """``with model.session():`` - several traces in a row that share their values.
+
+    Example::
+
+        with model.session():
+            with model.trace(x1):
+                h = model.layer1.output          # no .save() needed inside the session
+            with model.trace(x2):
+                model.layer1.output[:] = h
+                out = model.output.save()        # only saved values leave the session
+
+    Traces of other models may use the session's values too.
+    """
+
+    _what = "session"
+
+    def __init__(self, model=None, backend=None):
+        self._model = model
+        self._backend = backend  # remote: the whole session runs on a served model
+
+    def _on_exit(self, frame):
+        if self._backend is not None:
+            from .remote.client import run_remote
+
+            return run_remote(self, frame, self._model)
+        self._run_in_scope(frame, self._run)
+
+    def _run(self, scope):
+        try:
+            exec(self._body.code, scope)
+        except StopTrace:
+            pass
+
+
+class Editor(BodyContext):
+    """``with model.edit() as edited:`` - record the body as an edit applied on every trace.
+
+    Example::
+
+        with model.edit() as edited:
+            edited.layer1.output[:] = 0         # use `edited`, or `model` with inplace=True
+        with edited.trace(x):
+            out = edited.output.save()          # layer1 zeroed; model itself is unchanged
+
+    nnsight 0.8's ``with model.edit() as (tracer, edited):`` works too. ``model.edit(inplace=True)`` edits ``model`` itself; ``model.clear_edits()`` removes all edits.
+    Edits run before the trace's own bodies, on the whole batch.
+    """
+
+    _what = "edit"
+
+    def __init__(self, target):
+        self._target = target
+
+    def __enter__(self):
+        self._capture(sys._getframe(1))
+        # nnsight 0.8 binds `(tracer, edited)`: `as (tracer, edited)` unpacks the Envoy right
+        # after this returns, and its __iter__ then gives (this editor, the Envoy) once
+        self._target.__dict__["_unpacking"] = self
+        return self._target
+
+    def __exit__(self, exc_type, exc, tb):
+        self._target.__dict__.pop("_unpacking", None)
+        return super().__exit__(exc_type, exc, tb)
+
+    def _on_exit(self, frame):
+        # The caller's variables the body reads, as the edit was written. Those that are the
+        # edited model itself are kept as names only (bound at each trace): the model holding
+        # its own edit would be a reference cycle, freed only by the garbage collector (so is
+        # this editor, 0.8's `tracer`: dropped).
+        target = self._target
+        f_locals = frame.f_locals
+        snapshot = {k: f_locals[k] for k in names_read(self._body.code) if k in f_locals}
+        selves = tuple(k for k, v in snapshot.items() if v is target)
+        for k in selves:
+            del snapshot[k]
+        for k in [k for k, v in snapshot.items() if v is self]:
+            del snapshot[k]
+        # a submodule's edit lives on a wrapper its Envoy holds: an Envoy that holds it (that
+        # one, one above it) is held weakly, or the model would hold itself
+        for k, v in snapshot.items():
+            if isinstance(v, Envoy) and _holds(v, target):
+                snapshot[k] = _Held(v)
+        edit = (self._body, snapshot, frame.f_globals, selves)
+        target.__dict__["_edits"] = target._edits + (edit,)
+
+
+def _holds(envoy, target) -> bool:
+    """Whether ``envoy`` holds the wrapper ``target`` (a submodule's own, made by its
+    ``edit``): it is that submodule's Envoy, or one of a module above it."""
+    if envoy.__dict__.get("_wrapped_alone") is target:
+        return True
+    module = target._module
+    return envoy._module is not module and any(m is module for m in envoy._module.modules())
+
+
+class _Held:
+    """An Envoy a submodule's edit reads, held weakly (see Editor._on_exit)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, envoy):
+        self.ref = weakref.ref(envoy)
+
+    def get(self, name: str, body):
+        envoy = self.ref()
+        if envoy is None:
+            raise NNsightError(
+                f"the edit made at {body.filename}:{body.lineno} reads `{name}`, a model that has "
+                "since been dropped; keep the model while its submodule's edits are in use"
+            )
+        return envoy
