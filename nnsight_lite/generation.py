@@ -1,0 +1,196 @@
+"""What ``model.generate(...)`` adds to a trace: the generator modules and the Generator tracer.
+
+    Generator         the tracer ``with model.generate(prompt, max_new_tokens=k) as tracer:``
+                      returns; runs HF ``generate`` with the bodies interleaved at every step
+    _GeneratorOutput  ``model.generator``: an identity module called once with the ids
+    _Streamer         ``model.generator.streamer``: called with the prompt, then each new token
+
+Both modules are attached to the Hugging Face model only while a generate runs, so its traces
+count their calls like any other module's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .capture import names_read
+from .envoy import Envoy
+from .errors import InputError, NNsightError
+from .tracing import Tracer
+
+if TYPE_CHECKING:
+    from .language import LanguageModel
+
+
+class _GeneratorOutput(torch.nn.Module):
+    """Identity module called once with generate's result, so bodies can read it as
+    ``model.generator.output``. Attached to the model only while a generate runs."""
+
+    attached = False  # True while a generate runs (the module sits in the model's tree then)
+
+    def __init__(self):
+        super().__init__()
+        self.streamer = _Streamer()
+
+    def forward(self, ids):
+        return ids
+
+
+class _Streamer(torch.nn.Module):
+    """``model.generator.streamer``: handed to HF ``generate`` as its ``streamer``, so every
+    ``put`` (the prompt ids, then each step's new tokens) is a call of this identity module that
+    bodies can read (and edit) as ``model.generator.streamer.output``. What it returns goes on
+    to the user's own streamer (``generate(..., streamer=TextIteratorStreamer(tok))``), if any.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.target = None  # the user's streamer, during one generate
+
+    def forward(self, ids):
+        return ids
+
+    def put(self, value) -> None:
+        value = self(value)
+        if self.target is not None:
+            self.target.put(value)
+
+    def end(self) -> None:
+        if self.target is not None:
+            self.target.end()
+
+
+class _DuringGenerate(Envoy):
+    """An Envoy whose ``.output`` exists only while ``model.generate(...)`` runs (the generator
+    module ``_generator`` is attached then); elsewhere it says so, with ``_elsewhere``."""
+
+    _elsewhere = ""
+
+    @property
+    def output(self):
+        if not self._generator.attached:
+            raise NNsightError(self._elsewhere)
+        return Envoy.output.fget(self)
+
+    @output.setter
+    def output(self, value):
+        Envoy.output.fset(self, value)
+
+
+class _GeneratorEnvoy(_DuringGenerate):
+    """``model.generator``: its ``.output`` exists only inside ``model.generate(...)`` bodies."""
+
+    _elsewhere = (
+        "model.generator.output (the generated ids) exists only inside "
+        "`with model.generate(prompt, max_new_tokens=k):`; in a trace read "
+        "model.lm_head.output (the logits) instead"
+    )
+
+    def __init__(self, module, path, tree=None, mpath=""):
+        super().__init__(module, path, tree, mpath)
+        self.__dict__["_generator"] = module
+        streamer = _StreamerEnvoy(module.streamer, f"{path}.streamer")
+        streamer.__dict__["_generator"] = module
+        self.__dict__["streamer"] = streamer
+
+
+class _StreamerEnvoy(_DuringGenerate):
+    """``model.generator.streamer``: the tokens of a ``model.generate(...)`` as they come."""
+
+    _elsewhere = (
+        "model.generator.streamer.output (the tokens as generate produces them) exists "
+        "only inside `with model.generate(prompt, max_new_tokens=k):` bodies"
+    )
+
+
+
+class Generator(Tracer):
+    """The tracer of ``with model.generate(prompt, max_new_tokens=k) as tracer:``.
+
+    Example::
+
+        with model.generate("Hello", max_new_tokens=4) as tracer:
+            hs = nnsight_lite.save([])
+            for step in tracer.all():                       # every step, until generation ends
+                hs.append(model.lm_head.output[:, -1])
+            ids = model.generator.output.save()
+        assert len(hs) == 4 and tracer.result.shape[1] == ids.shape[1]
+
+    ``tracer.result`` is what HF ``generate`` returned (the ids, prompt included): inside the
+    body it waits for generation to end (like ``model.generator.output``); after the block it
+    is the ids.
+    """
+
+    _call_name = "model.generate"
+
+    def __init__(self, model: LanguageModel, args: tuple, tok_kwargs: dict, gen_kwargs: dict):
+        super().__init__(model, args, tok_kwargs)
+        self._gen_kwargs = gen_kwargs
+
+    def _call_kwargs(self) -> dict:
+        # generate()'s keywords win over an invoke's (as in nnsight); an invoke's max_length
+        # is a tokenizer option (truncation), not generate's total length
+        return {k: v for k, v in self._gen_kwargs.items() if k != "max_length"}
+
+    def _run(self, scope):
+        model = self.model
+        hf = model._module
+        gen = model._generator_module
+        if "generator" in hf._modules:
+            raise InputError(
+                f"{type(hf).__name__} already has a submodule named 'generator', which "
+                "model.generator would hide; rename it to trace generate on this model"
+            )
+        hf._modules["generator"] = gen  # so the trace counts its call and serves its output
+        flags = gen.__dict__  # (plain attributes: set without Module.__setattr__'s checks)
+        flags["attached"] = True
+        try:
+            super()._run(scope)
+        finally:
+            flags["attached"] = False
+            del hf._modules["generator"]
+
+    def _interleave(self, inter, made: list, args: tuple, kwargs: dict):
+        # an open `for step in tracer.all():` has one step per new token, as nnsight's has: a
+        # body whose later steps read nothing ends its loop after the last token. Where a body
+        # reads model.generator.streamer, which runs once more than the model (the prompt, then
+        # each new token), there is one more step for the last token's streamer call; a step
+        # waiting for another module there ends the loop when generation ends
+        gen = self._gen_kwargs
+        n = gen.get("max_new_tokens")
+        for config in (gen.get("generation_config"),  # (as HF takes them: the call's first)
+                       getattr(self.model._module, "generation_config", None)):
+            if n is None:
+                n = getattr(config, "max_new_tokens", None)
+        inter.steps = n + self._streams() if isinstance(n, int) else None
+        return super()._interleave(inter, made, args, kwargs)
+
+    def _forward(self, inter, args: tuple, kwargs: dict):
+        model = self.model
+        gen = self._gen_kwargs
+        streamer = model._generator_module.streamer
+        if self._streams():
+            user = gen.get("streamer")
+            gen = dict(gen, streamer=streamer)
+            streamer.__dict__["target"] = user
+        try:
+            out = model._run_generate(args, kwargs, gen)
+        finally:
+            streamer.__dict__["target"] = None
+        # The model makes no more calls: bodies looping over steps leave their loops now, so
+        # code after the loop can read model.generator.output, served by the call below.
+        inter.end_iterations()
+        self._result = model._generator_module(out)
+        return self._result
+
+    def _streams(self) -> bool:
+        """Whether generate streams through ``model.generator.streamer``: where the user gave a
+        streamer or a body names it (HF refuses a streamer in some modes, beam search, so
+        not otherwise)."""
+        return self._gen_kwargs.get("streamer") is not None or \
+            "streamer" in names_read(self._body.code)
+
+    def _result_envoy(self):
+        return self.model.generator
