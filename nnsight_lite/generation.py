@@ -165,7 +165,12 @@ class Generator(Tracer):
             if n is None:
                 n = getattr(config, "max_new_tokens", None)
         inter.steps = n + self._streams() if isinstance(n, int) else None
-        return super()._interleave(inter, made, args, kwargs)
+        # HF generate runs the model under torch.no_grad(): the bodies start in that mode too,
+        # as the model's own code would run them (a body kept in the trace's grad mode would
+        # edit values the forward made without grad with grad on, and an in-place edit of a
+        # view that mixes in a tensor requiring grad, a steering vector, is then an error)
+        with torch.no_grad():
+            return super()._interleave(inter, made, args, kwargs)
 
     def _forward(self, inter, args: tuple, kwargs: dict):
         model = self.model

@@ -750,6 +750,37 @@ class TestGenerate:
         assert torch.equal(torch.cat([a, b]), plain)
         assert torch.equal(tracer.result, plain)
 
+    def test_steering_with_a_vector_that_requires_grad(self, lm, hf, arch):
+        """The usual steering recipe: a vector read in an earlier trace (grad on, so it requires
+        grad) added in place at every step of a generate with two invokes, where each body's
+        value is a view of the batch. HF generate runs the model without grad; the bodies do
+        too (they raised "a view was created in no_grad mode and is being modified inplace"),
+        and the ids equal plain HF generate with a hook adding the vector to the first
+        prompt's rows."""
+        with lm.trace(PROMPTS[0]):
+            vec = layers(lm, arch)[1].output[0, -1].save()
+        assert vec.requires_grad
+        enc = tokenize(lm, PROMPTS[1:])
+
+        def steer(step, out):
+            out = out.clone()
+            out[0, -1] += 4 * vec.detach()
+            return out
+
+        plain = plain_generate(hf, enc, 3, hooks=[(layers(hf, arch)[1], steer)])
+        with lm.generate(max_new_tokens=3, do_sample=False) as tracer:
+            with tracer.invoke(PROMPTS[1]):
+                for step in tracer.iter[:3]:
+                    layers(lm, arch)[1].output[:, -1] += 4 * vec
+                grad_on = nnsight_lite.save(torch.is_grad_enabled())
+                a = tracer.result.save()
+            with tracer.invoke(PROMPTS[2]):
+                b = tracer.result.save()
+        assert torch.equal(torch.cat([a, b]), plain)
+        assert not torch.equal(plain, plain_generate(hf, enc, 3))  # (the vector steers)
+        assert not grad_on  # (the body's own mode: HF generate's)
+        assert torch.is_grad_enabled()  # (and the caller's is as it was)
+
     def test_keyword_inputs_are_the_prompt(self, lm, hf):
         """``generate(**tokenizer(...))`` and ``generate(input_ids=..., attention_mask=...)``:
         the keywords are the batch, as a positional prompt is; the body reads modules and
