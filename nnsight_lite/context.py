@@ -20,6 +20,7 @@ from .capture import (
     caller_scope,
     class_body_name,
     find_body,
+    let_go_of_locals,
     restore_tracing,
     skip_body,
     skip_inline,
@@ -87,7 +88,10 @@ class BodyContext:
     def __exit__(self, exc_type, exc, tb):
         token, self._token = self._token, None  # it holds the frame: no cycle through it
         if token is _NO_SOURCE:
-            return self._exit_no_source(exc_type, exc)
+            try:
+                return self._exit_no_source(exc_type, exc)
+            finally:
+                self._let_go()
         if token is _INLINE:
             cancel_inline_skip(self)  # normally consumed already
             expected = None
@@ -98,6 +102,7 @@ class BodyContext:
             expected = None
         frame, self._frame = self._frame, None
         if exc_type is not expected:
+            self._let_go()
             return False
         try:
             self._on_exit(frame)
@@ -107,7 +112,13 @@ class BodyContext:
             if _PY311:
                 raise  # re-raised as it is: no frame of this function is added to it
             raise err  # 3.10's bare raise would put the unfiltered traceback back
+        finally:
+            self._let_go()
         return True
+
+    def _let_go(self) -> None:
+        """The block is over: drop what only running it needed (the model, the inputs), so a
+        name left bound to this object (``as tracer`` in a notebook) does not keep them alive."""
 
     def _no_source(self, err: NoSourceError) -> None:
         """Where the block has no source at all: start running its body in place, or raise."""
@@ -132,6 +143,9 @@ class BodyContext:
             run(scope)
         except StopTrace as exc:  # an enclosing trace's tracer.stop(): it ends that trace,
             stop = exc  # and what the body saved so far is kept
+        except BaseException:
+            let_go_of_locals(frame)
+            raise
         finally:
             stack.pop()
         target = frame.f_locals

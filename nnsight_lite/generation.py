@@ -129,6 +129,10 @@ class Generator(Tracer):
         super().__init__(model, args, tok_kwargs)
         self._gen_kwargs = gen_kwargs
 
+    def _let_go(self) -> None:
+        super()._let_go()
+        self._gen_kwargs = {}  # (tracer.result, the ids, stays)
+
     def _call_kwargs(self) -> dict:
         # generate()'s keywords win over an invoke's (as in nnsight); an invoke's max_length
         # is a tokenizer option (truncation), not generate's total length

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import weakref
 
-from .capture import names_read
+from .capture import let_go_of_locals, names_read
 from .context import BodyContext
 from .envoy import Envoy
 from .errors import NNsightError
@@ -51,6 +51,9 @@ class Session(BodyContext):
         except StopTrace:
             pass
 
+    def _let_go(self) -> None:
+        self._model = self._backend = None
+
 
 class Editor(BodyContext):
     """``with model.edit() as edited:`` - record the body as an edit applied on every trace.
@@ -82,6 +85,9 @@ class Editor(BodyContext):
         self._target.__dict__.pop("_unpacking", None)
         return super().__exit__(exc_type, exc, tb)
 
+    def _let_go(self) -> None:
+        self._target = None  # (0.8's `as (tracer, edited)` leaves this object bound)
+
     def _on_exit(self, frame):
         # The caller's variables the body reads, as the edit was written. Those that are the
         # edited model itself are kept as names only (bound at each trace): the model holding
@@ -90,6 +96,7 @@ class Editor(BodyContext):
         target = self._target
         f_locals = frame.f_locals
         snapshot = {k: f_locals[k] for k in names_read(self._body.code) if k in f_locals}
+        let_go_of_locals(frame)
         selves = tuple(k for k, v in snapshot.items() if v is target)
         for k in selves:
             del snapshot[k]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import warnings
+import weakref
 
 import torch
 
@@ -59,7 +60,8 @@ class Tracer(BodyContext):
 
     def __init__(self, model, args: tuple, kwargs: dict, *, scan: bool = False,
                  forward: dict | None = None):
-        self.model = model
+        self._model = model
+        self._model_ref = weakref.ref(model)
         self._args = args
         self._kwargs = kwargs
         # keywords of a trace given no inputs, for the forward of the batch its invokes make
@@ -71,6 +73,16 @@ class Tracer(BodyContext):
         # remote=True / backend=...: the block runs on a served model (nnsight_lite/remote)
         given = kwargs or self._forward_kwargs
         self._backend = take_backend(given) if given else None
+
+    @property
+    def model(self):
+        """The model this traces (held weakly once the block is over: see _let_go)."""
+        model = self._model
+        return model if model is not None else self._model_ref()
+
+    def _let_go(self) -> None:
+        self._model = None
+        self._args, self._kwargs, self._forward_kwargs = (), {}, {}
 
     # ---- user API
 

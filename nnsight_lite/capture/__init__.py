@@ -23,7 +23,7 @@ from .rewrite import (
     IterationEnd,
     class_body_name,
 )
-from .scope import Scope, caller_scope, write_back
+from .scope import Scope, caller_scope, let_go_of_locals, write_back
 from .skip import (
     SkipBody,
     body_runs_inline,
@@ -37,6 +37,7 @@ __all__ = [
     "Body", "find_body", "names_read", "GRAD_NAME", "INLINE_NAME", "ITER_BLOCK_NAME",
     "ITER_END_NAME", "NAME_NAME", "SAVE_NAME",
     "SET_GRAD_NAME", "IterationEnd", "class_body_name", "Scope", "caller_scope", "write_back",
+    "let_go_of_locals",
     "SkipBody", "body_runs_inline", "cancel_inline_skip", "restore_tracing", "skip_body",
     "skip_inline",
 ]

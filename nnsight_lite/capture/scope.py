@@ -173,7 +173,14 @@ def write_back(frame: FrameType, values: dict, f_locals=None) -> None:
     if values:
         f_locals.update(values)
         _locals_to_fast(frame, 0)
-    # Before 3.13, f_locals of a function frame is a snapshot dict cached on the frame: left
-    # filled it would keep every local (saved tensors included) alive after the user deletes
-    # them. Emptying it is safe; the next f_locals access fills it again.
-    f_locals.clear()
+    f_locals.clear()  # (see let_go_of_locals)
+
+
+def let_go_of_locals(frame: FrameType) -> None:
+    """Before 3.13, ``f_locals`` of a function frame is a snapshot dict cached on the frame:
+    left filled, it keeps every local it was read with (the model, saved tensors) alive after
+    the user deletes them. Empty it once a block has read it (write_back does, and so must a
+    block that ends with an error or keeps only a copy). Emptying it is safe: the next
+    ``f_locals`` access fills it again."""
+    if not _PY313 and frame.f_code.co_flags & _CO_OPTIMIZED:
+        frame.f_locals.clear()

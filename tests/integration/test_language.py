@@ -1161,6 +1161,23 @@ def test_traces_and_generation_leave_no_reference_cycles(lm, arch):
         assert cycles_left_by(fn) == [], fn.__name__
 
 
+def test_a_generate_tracer_left_bound_does_not_keep_the_model(model_dirs):
+    """``with lm.generate(...) as tracer:`` in a notebook leaves ``tracer`` bound: after
+    ``del lm`` the HF model is freed (it stayed alive with the tracer), and ``tracer.result``
+    still gives the ids."""
+    import gc
+    import weakref
+
+    lm = quiet(LanguageModel, model_dirs["gpt2"], dispatch=True)
+    hf_ref = weakref.ref(lm._module)
+    with lm.generate(PROMPTS[0], max_new_tokens=2, do_sample=False) as tracer:
+        ids = tracer.result.save()
+    del lm
+    gc.collect()
+    assert hf_ref() is None
+    assert torch.equal(tracer.result, ids)
+
+
 def test_a_loaded_tokenizer_pads_on_the_left(lm, hf, model_dirs, arch):
     """The tokenizer a LanguageModel loads pads on the left (as nnsight's does), so a batch
     padded with ``model.tokenizer`` has each prompt's last token at ``[:, -1]``: its logits

@@ -41,6 +41,52 @@ def test_tracer_object_holds_no_activations(seq):
     assert tracer is not None
 
 
+@pytest.mark.parametrize("block", ["trace", "invokes", "error", "scan", "session", "edit"])
+def test_a_context_object_left_bound_does_not_keep_the_model(block):
+    """``with model.trace(x) as tracer:`` leaves ``tracer`` bound (in a notebook, for good):
+    once the block is over it holds the model only weakly, and not the inputs, so ``del
+    model`` frees the torch model and its weights (it stayed alive as long as ``tracer``
+    was bound). Also a trace that raised, invokes, scan, a session and 0.8's
+    ``as (tracer, edited)`` of an edit. The object still reads ``tracer.model`` while the
+    model lives."""
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
+    model = NNsight(net)
+    x = torch.randn(2, 6)
+    x_ref, net_ref = weakref.ref(x), weakref.ref(net)
+    if block == "trace":
+        with model.trace(x) as kept:
+            out = model.output.save()
+    elif block == "invokes":
+        with model.trace() as kept:
+            with kept.invoke(x):
+                out = model.output.save()
+    elif block == "error":
+        with pytest.raises(ValueError):
+            with model.trace(x) as kept:
+                raise ValueError("a mistake in the body")
+        out = net(x)
+    elif block == "scan":
+        with model.scan(x) as kept:
+            pass
+        out = net(x)
+    elif block == "session":
+        with model.session() as kept:
+            with model.trace(x):
+                out = model.output.save()
+    else:
+        with model.edit() as (kept, edited):
+            edited[1].output[:] = 0
+        out = net(x)
+        del edited
+    assert torch.equal(out, net(x)) or block == "edit"
+    if block in ("trace", "invokes", "error", "scan"):
+        assert kept.model is model
+    del model, net, x, out
+    gc.collect()
+    assert net_ref() is None and x_ref() is None
+    assert kept is not None
+
+
 def test_error_path_frees_activations(seq):
     model = NNsight(seq)
     refs = []
