@@ -163,9 +163,17 @@ def write_back(frame: FrameType, values: dict, f_locals=None) -> None:
     ``f_locals``: ``frame.f_locals`` where the caller has just read it (saves a second read)."""
     if f_locals is None:
         f_locals = frame.f_locals
-    if isinstance(f_locals, Scope) or not (frame.f_code.co_flags & _CO_OPTIMIZED):
+    code = frame.f_code
+    if isinstance(f_locals, Scope) or not (code.co_flags & _CO_OPTIMIZED):
         f_locals.update(values)
         return
+    if values:  # a name the function declared `global` (not one of its variables) is bound
+        own = code.co_varnames, code.co_cellvars, code.co_freevars  # in its module
+        glob = [k for k in values if not any(k in names for names in own)]
+        if glob:
+            values = dict(values)
+            for k in glob:
+                frame.f_globals[k] = values.pop(k)
     if _PY313:  # PEP 667: f_locals is a write-through proxy
         for name, value in values.items():
             f_locals[name] = value

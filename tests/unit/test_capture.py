@@ -115,6 +115,37 @@ class TestPlacesABodyCanSit:
 
         torch.testing.assert_close(Holder.h, expected(seq, x, 0))
 
+    def test_a_function_declaring_a_name_global(self, model, seq):
+        """``global acts`` in the function around the block: the saved value is bound in the
+        module, as plain Python binds it there (it was dropped silently); the function's own
+        locals and a nonlocal beside it are written back as before."""
+        x = torch.randn(2, 6)
+        ns = {"model": model, "x": x, "acts": None}
+        src = textwrap.dedent("""
+            def collect():
+                global acts
+                last = None
+                with model.trace(x):
+                    acts = model[0].output.save()
+                    mine = model[1].output.save()
+                def inner():
+                    nonlocal last
+                    with model.trace(x):
+                        last = model[2].output.save()
+                inner()
+                return mine, last
+        """)
+        filename = "<global-snippet>"
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+        try:
+            exec(compile(src, filename, "exec"), ns)
+            mine, last = ns["collect"]()
+        finally:
+            linecache.cache.pop(filename, None)
+        torch.testing.assert_close(ns["acts"], expected(seq, x, 0))
+        torch.testing.assert_close(mine, expected(seq, x, 1))
+        torch.testing.assert_close(last, expected(seq, x, 2))
+
     def test_names_written_back_overwrite_locals(self, model, seq):
         x = torch.randn(2, 6)
         h = "before"
