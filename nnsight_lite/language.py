@@ -337,6 +337,11 @@ class LanguageModel(NNsight):
                       for k, v in kwargs.items()}
         return args, kwargs, sizes
 
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_emb_hit", None)  # (weak references: asked again after unpickling)
+        return state
+
     def _input_embedding(self):
         """``get_input_embeddings()`` of the model (None where it has none), remembered while
         every module on the path from the root to it is still the one there: a new embedding

@@ -1161,6 +1161,23 @@ def test_traces_and_generation_leave_no_reference_cycles(lm, arch):
         assert cycles_left_by(fn) == [], fn.__name__
 
 
+def test_a_traced_language_model_pickles_and_traces_after(lm, hf, arch):
+    """A LanguageModel pickles after a trace as before one (the trace's cache of the input
+    embedding's path held weak references: "cannot pickle 'weakref.ReferenceType'"), and the
+    copy traces to the same logits as plain HF."""
+    import pickle
+
+    with lm.trace(PROMPTS[0]):
+        pass
+    again = pickle.loads(pickle.dumps(lm))
+    enc = tokenize(lm, PROMPTS[:2])
+    with again.trace(PROMPTS[:2]):
+        logits = again.lm_head.output.save()
+    with torch.no_grad():
+        want = hf(**enc, position_ids=position_ids(enc["attention_mask"])).logits
+    torch.testing.assert_close(logits, want)
+
+
 def test_a_generate_tracer_left_bound_does_not_keep_the_model(model_dirs):
     """``with lm.generate(...) as tracer:`` in a notebook leaves ``tracer`` bound: after
     ``del lm`` the HF model is freed (it stayed alive with the tracer), and ``tracer.result``
