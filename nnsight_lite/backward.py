@@ -165,6 +165,14 @@ def set_grad(t, value) -> None:
     """``t.grad = value`` in a body: replace the gradient that flows on from ``t``."""
     ctx = _current_backward()
     if ctx is None:
+        if isinstance(t, torch.Tensor) and not t.is_leaf and not t.retains_grad:
+            raise GradientError(
+                f".grad of an activation ({_describe(t)}) was assigned at {user_location()} "
+                "outside a backward context, where it changes no gradient (torch would keep "
+                "it as a plain attribute that backprop never reads). Replace the gradient that "
+                "flows on from it while backprop runs:\n"
+                "    with loss.backward():\n        hs.grad = new_grad\n"
+            )
         t.grad = value
         return
     rows = _rows_of(t)

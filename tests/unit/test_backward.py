@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+import nnsight_lite
 from nnsight_lite import NNsight, OutOfOrderError, OutsideTraceError
 from nnsight_lite.errors import GradientError
 
@@ -182,8 +183,9 @@ class TestGradErrors:
 
     def test_old_idiom_reading_activation_grad(self, seq):
         """``h.grad`` of an activation outside a backward block raises GradientError, without
-        torch's own non-leaf warning first; an activation that retains its grad, a leaf, or
-        one whose grad the body assigned reads it as usual."""
+        torch's own non-leaf warning first, and so does ``h.grad = g`` there (it was kept as a
+        plain attribute that no backprop reads, silently); an activation that retains its
+        grad, or a leaf, reads and takes it as usual."""
         model = NNsight(seq)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # (torch's "non-leaf Tensor" warning would raise)
@@ -199,11 +201,20 @@ class TestGradErrors:
                 model.output.sum().backward()
                 g = h.grad.save()
                 gx = x.grad.save()
-            with model.trace(x):  # (a gradient the body assigned reads back, as in torch)
+            with pytest.raises(GradientError, match=r"assigned at .*test_backward.py:\d+ "
+                               r"outside a backward context(.|\n)*with loss.backward\(\):"):
+                with model.trace(x):
+                    a = model[2].output
+                    a.grad = torch.ones(2, 6)
+            with model.trace(x):  # (a leaf's, or a retained one's, is torch's attribute)
                 a = model[2].output
+                a.retain_grad()
                 a.grad = torch.ones(2, 6)
                 assigned = a.grad.save()
-        assert torch.equal(assigned, torch.ones(2, 6))
+                x.grad = None
+                cleared = nnsight_lite.save(x.grad)
+        assert torch.equal(assigned, torch.ones(2, 6)) and cleared is None
+        torch.testing.assert_close(model(x), seq(x))
         h = seq[1](seq[0](x))
         h.retain_grad()
         seq[3](seq[2](h)).sum().backward()
