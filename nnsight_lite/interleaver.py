@@ -168,8 +168,14 @@ class Interleaver:
             self._install()
             try:
                 for med in self.mediators:
-                    med.start(saved)  # (each start puts the state back as it found it)
-                output = forward()
+                    try:
+                        med.start(saved)  # (each start puts the state back as it found it)
+                    except StopTrace as exc:  # a stop before the forward: it does not run,
+                        if exc.tracer is not None and exc.tracer._inter is not self:
+                            raise  # (an enclosing trace's tracer.stop(): it ends that one)
+                        if self.stopped_early is None:  # and the later bodies still start:
+                            self.stopped_early = exc.where  # their reads get MissedModuleError
+                output = forward() if self.stopped_early is None else None
             except StopTrace as exc:
                 if exc.tracer is not None and exc.tracer._inter is not self:
                     raise  # an enclosing trace's tracer.stop(), called in a body of this one

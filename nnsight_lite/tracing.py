@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patches backward)
+from . import backward  # (registers grad/set_grad in RUNTIME, patches backward)
 from .capture import Scope
 from .context import RUNTIME, BodyContext, body_job
 from .errors import InputError, InvokeError, NNsightError
@@ -110,7 +110,21 @@ class Tracer(BodyContext):
         and a read of one by another invoke raises ``MissedModuleError`` saying so. Called in a
         ``with loss.backward():`` block it ends that backward pass only, and the code after the
         block runs."""
-        raise StopTrace(self, user_location())
+        where = user_location()
+        if self._collecting:
+            raise InvokeError(
+                f"tracer.stop() at {where} is in the body of a trace given no inputs, which "
+                "only sets up its invokes before the model runs, so it would end the trace "
+                "before any invoke ran. Call tracer.stop() inside an invoke's body, after the "
+                "reads it should come after."
+            )
+        if self._inter is None and backward._current_backward() is None:  # (in a backward
+            raise NNsightError(  # block it ends that backward, whichever tracer says so)
+                f"tracer.stop() at {where} was called on a trace that is not running (its "
+                "block has ended, or not begun): it has no forward to end. Call stop() inside "
+                "the body of the trace it should end (`with model.trace(...) as tracer:`)."
+            )
+        raise StopTrace(self, where)
 
     def cond(self, *args, **kwargs):
         """Old nnsight idiom: bodies run eagerly here, so a plain ``if`` does the job."""

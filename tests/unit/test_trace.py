@@ -231,6 +231,70 @@ class TestStopAndCalls:
         torch.testing.assert_close(h, seq[1](seq[0](x)))
         assert ran == []
 
+    def test_stop_where_no_forward_of_its_trace_runs_raises(self, seq):
+        """``tracer.stop()`` of a trace that has ended (after its block, in a later trace's
+        body, in a session after that trace) raises saying so (a bare internal StopTrace
+        escaped, and in a session it ended the session, silently skipping the code after);
+        in the body of a trace given no inputs it raises InvokeError (it cancelled every
+        invoke, silently). The model is left exact each time."""
+        from nnsight_lite import InvokeError
+
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x) as old:
+            pass
+        with pytest.raises(NNsightError, match=r"tracer.stop\(\) at .*test_trace.py:\d+ was "
+                                               r"called on a trace that is not running"):
+            old.stop()
+        with pytest.raises(NNsightError, match="not running"):
+            with model.trace(x):
+                h = model[0].output
+                old.stop()
+        ran = []
+        with pytest.raises(NNsightError, match="not running"):
+            with model.session():
+                with model.trace(x) as first:
+                    h = model[0].output
+                first.stop()
+                ran.append("after")
+        assert ran == []
+        calls = []
+        handle = seq[0].register_forward_hook(lambda *a: calls.append(1))
+        try:
+            with pytest.raises(InvokeError, match=r"tracer.stop\(\) at .*test_trace.py:\d+ is "
+                                                  r"in the body of a trace given no inputs"):
+                with model.trace() as tracer:
+                    with tracer.invoke(x):
+                        h = model[0].output.save()
+                    tracer.stop()
+        finally:
+            handle.remove()
+        assert calls == []
+        with model.trace(x):
+            out = model.output.save()
+        torch.testing.assert_close(out, seq(x))
+
+    def test_stop_before_the_forward_still_starts_the_later_invokes(self, seq):
+        """``tracer.stop()`` at the top of invoke 0: the model does not run, and invoke 1's
+        body still runs, to a MissedModuleError at its read that names the stop (its body
+        was skipped, silently)."""
+        model = NNsight(seq)
+        x = torch.randn(1, 6)
+        calls, ran = [], []
+        handle = seq[0].register_forward_hook(lambda *a: calls.append(1))
+        try:
+            with pytest.raises(MissedModuleError, match=r"invoke 1 waited for model\[0\].output"
+                               r".*tracer.stop\(\) at .*test_trace.py:\d+ ended the forward"):
+                with model.trace() as tracer:
+                    with tracer.invoke(x):
+                        tracer.stop()
+                    with tracer.invoke(x):
+                        ran.append("invoke 1")
+                        k = model[0].output.save()
+        finally:
+            handle.remove()
+        assert ran == ["invoke 1"] and calls == []
+
     def test_stop_in_a_backward_block_keeps_what_the_block_saved(self, seq):
         """``tracer.stop()`` inside ``with loss.backward():`` ends the trace, and the gradient
         the block saved before it is kept (it was silently dropped: NameError after)."""
