@@ -66,6 +66,8 @@ def prepare(tokenizer, args: tuple, kwargs: dict):
                 ids = ids.unsqueeze(0)
             return (), {"input_ids": ids, "attention_mask": None}, ids.shape[0]
     kwargs = dict(kwargs)
+    if kwargs.get("attention_mask", 0) is None:  # (HF's default: no mask given)
+        del kwargs["attention_mask"]
     tok_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in TOKENIZER_KWARGS}
     if len(args) > 1:
         raise InputError(

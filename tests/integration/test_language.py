@@ -578,6 +578,28 @@ class TestAgainstTransformers:
                                pad_token_id=1)
         assert torch.equal(out, expected)
 
+    def test_attention_mask_none_is_no_mask(self, lm, hf):
+        """``attention_mask=None`` (HF's default, passed on by code with an optional mask) is
+        no mask: with a text prompt it was refused ("the tokenizer makes the mask"), and given
+        to a trace whose prompts are in invokes it would have replaced the padded batch's
+        mask. Logits and ids equal plain HF's with the tokenizer's padded mask."""
+        enc = tokenize(lm, PROMPTS[:2])
+        with torch.no_grad():
+            plain = hf(**enc, position_ids=position_ids(enc["attention_mask"])).logits
+        with lm.trace(PROMPTS[:2], attention_mask=None):
+            a = lm.lm_head.output.save()
+        with lm.trace(attention_mask=None) as tracer:
+            with tracer.invoke(PROMPTS[0], attention_mask=None):
+                b = lm.lm_head.output.save()
+            with tracer.invoke(PROMPTS[1]):
+                c = lm.lm_head.output.save()
+        torch.testing.assert_close(a, plain)
+        torch.testing.assert_close(torch.cat([b, c]), plain)
+        with lm.generate(PROMPTS[:2], attention_mask=None, max_new_tokens=2,
+                         do_sample=False) as tracer:
+            pass
+        assert torch.equal(tracer.result, plain_generate(hf, enc, 2))
+
     def test_a_keyword_on_the_trace_and_an_invoke(self, lm):
         """An invoke's keyword yields to the trace's (it applies to the whole batch), with a
         warning at the invoke where the values differ (nnsight takes the invoke's, silently)."""
