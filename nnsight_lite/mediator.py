@@ -166,7 +166,10 @@ def wait_for_name(scope, name: str):
     med = getattr(_getcurrent(), "mediator", None)
     if med is None or med.scope is not scope or not med.interleaver.earlier_alive(med):
         raise KeyError(name)
+    before = med.interleaver.position is None
     med.parent.switch(NameWait(name))
+    if before:  # (for the error a read of a module that ran meanwhile gets: _late_error)
+        med.waited = (name, user_location())
     return scope[name]
 
 
@@ -202,7 +205,7 @@ class Mediator:
     __slots__ = ("interleaver", "index", "batch", "scope", "run_fn", "greenlet", "parent", "done",
                  "pending", "pending_envoy", "cur_key", "cur_value", "replaced", "skip_value",
                  "tls", "iteration", "iter_depth", "shared", "snapshot", "assigned",
-                 "loop_ended")
+                 "loop_ended", "waited")
 
     inline = False  # True: the body runs in the user's own greenlet (nosource.py), never unwound
 
@@ -228,6 +231,9 @@ class Mediator:
         self.snapshot = None  # the trace body's names as of this invoke
         self.assigned = ()  # the names this invoke's body may bind (what publish copies)
         self.loop_ended = None  # the slot an open step loop waited on when the forward ended it
+        # (name, line): this body's last request was a wait for a name another invoke binds,
+        # begun before the forward ran (every module that has run, ran while it waited)
+        self.waited = None
 
     def label(self) -> str:
         """How messages name this body: ``invoke 2`` (counting the trace's own invokes from 0),
@@ -371,6 +377,7 @@ class Mediator:
         if passed or inter.finished:
             raise self._late_error(envoy, key)
         self.pending_envoy = envoy
+        self.waited = None
         return self.parent.switch(key)
 
     def set(self, envoy, kind, value) -> None:
@@ -434,6 +441,18 @@ class Mediator:
         pos = self.interleaver.position
         now = f" (the forward is now at {pos[0].label()}.{pos[1]}" + (
             f", call {pos[2]})" if pos[2] else ")") if pos else ""
+        if self.waited is not None:
+            name, line = self.waited
+            return OutOfOrderError(
+                f"{self.label()} asked for {what} at {where}, but {envoy._path} had already "
+                f"run that call{now}: before it, the body waited at {line} for `{name}`, "
+                "which an earlier invoke bound only after that, so the model ran on while it "
+                f"waited. An invoke cannot use at {envoy._path} a value another invoke makes "
+                "later in the same forward (as when it reads later modules): compute "
+                f"`{name}` in a trace of its own first, then use it in a second trace "
+                "(`with model.session():` holds both), or bind it in the earlier invoke "
+                f"before {envoy._path} runs."
+            )
         return OutOfOrderError(
             f"{self.label()} asked for {what} at {where}, but {envoy._path} has already "
             f"run that call{now}. A body must read module values in the order the model "

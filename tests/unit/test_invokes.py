@@ -309,12 +309,26 @@ def test_values_collected_per_layer_patch_a_later_invoke_layer_by_layer(seq):
                 h[:] = acts[i]
             out = model.output.save()
     torch.testing.assert_close(out, seq(clean))
-    with pytest.raises(OutOfOrderError, match="invoke 1 asked for model\\[0\\].output"):
+    # (the tutorial's shape: invoke 1 waits for a list invoke 0 completes only after the last
+    # module, so model[0] runs while it waits: the error says so, not "move this line up")
+    with pytest.raises(OutOfOrderError, match=r"invoke 1 asked for model\[0\].output at "
+                       r".*test_invokes.py:\d+, but model\[0\] had already run that call"
+                       r".*: before it, the body waited at .*test_invokes.py:\d+ for `every`, "
+                       r"which an earlier invoke bound only after that(.|\n)*session"):
         with model.trace() as tracer:
             with tracer.invoke(clean):
                 every = [model[i].output for i in range(len(seq))]
             with tracer.invoke(corrupt):
-                model[0].output[:] = every[0]
+                first = every[0]
+                model[0].output[:] = first
+    with pytest.raises(OutOfOrderError, match=r"has already run that call.*move this line"):
+        with model.trace() as tracer:  # (a read in between: the body's own order is to blame)
+            with tracer.invoke(clean):
+                every = [model[i].output for i in range(len(seq))]
+            with tracer.invoke(corrupt):
+                first = every[0]
+                out = model.output
+                model[0].output[:] = first
     torch.testing.assert_close(model(corrupt), seq(corrupt))
 
 
