@@ -310,3 +310,34 @@ class TestCallPaths:
                 assert torch.equal(_trace_out(model, x, 2), net(x))
         finally:
             mod.__dict__.pop("_compiled_call_impl", None)
+
+
+def test_a_copy_made_in_a_body_refuses_to_run_the_original_after_the_trace():
+    """``copy.deepcopy`` of the model in a trace body copies each module's instance
+    ``forward``, the trace's wrapper, by reference, so the copy ran the original modules with
+    the original's weights, silently and for good. After the trace such a copy raises saying
+    what happened and to copy outside the trace; a copy made after the trace computes with its
+    own weights, and the original model is exact."""
+    import copy
+
+    from nnsight_lite import NNsightError
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    model = NNsight(net)
+    x = torch.randn(2, 4)
+    with model.trace(x):
+        h = model[1].output
+        inside = save(copy.deepcopy(net))
+    with pytest.raises(NNsightError, match=r"a forward that a trace put on model \(Sequential\) "
+                                           r"was called after that trace ended(.|\n)*copy\."
+                                           r"deepcopy(.|\n)*outside the trace"):
+        inside(x)
+    after = copy.deepcopy(net)
+    with torch.no_grad():
+        for p in after.parameters():
+            p.zero_()
+    assert torch.equal(after(x), torch.zeros(2, 3))
+    with model.trace(x):
+        out = model.output.save()
+    assert torch.equal(out, net(x))
