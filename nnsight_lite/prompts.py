@@ -97,6 +97,8 @@ def prepare(tokenizer, args: tuple, kwargs: dict):
         if extra.get("_from_text"):
             raise InputError(_MASK_WITH_TEXT)
         mask = _as_ids(kwargs.pop("attention_mask"), "attention_mask")
+        if mask.dim() == 1 and ids.shape[0] == 1:  # (one prompt's mask, as its 1-D ids)
+            mask = mask.unsqueeze(0)
         if mask.shape != ids.shape:
             raise InputError(
                 f"attention_mask has shape {tuple(mask.shape)} but input_ids has shape "

@@ -578,6 +578,23 @@ class TestAgainstTransformers:
                                pad_token_id=1)
         assert torch.equal(out, expected)
 
+    def test_a_one_dimensional_mask_beside_one_dimensional_ids(self, lm, hf):
+        """One prompt's ids and mask both 1-D (as a tokenizer gives them without
+        return_tensors): taken as one row, as the ids are (the mask was refused for its
+        shape); logits equal plain HF's with that mask (and the positions it implies)."""
+        ids = tokenize(lm, PROMPTS[:1])["input_ids"][0]
+        mask = torch.ones_like(ids)
+        mask[:2] = 0
+        with lm.trace(ids, attention_mask=mask):
+            logits = lm.lm_head.output.save()
+        with lm.trace(input_ids=ids.tolist(), attention_mask=mask.tolist()):
+            again = lm.lm_head.output.save()
+        with torch.no_grad():
+            plain = hf(ids[None], attention_mask=mask[None],
+                       position_ids=position_ids(mask[None])).logits
+        torch.testing.assert_close(logits, plain)
+        torch.testing.assert_close(again, plain)
+
     def test_attention_mask_none_is_no_mask(self, lm, hf):
         """``attention_mask=None`` (HF's default, passed on by code with an optional mask) is
         no mask: with a text prompt it was refused ("the tokenizer makes the mask"), and given
