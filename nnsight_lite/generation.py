@@ -139,7 +139,7 @@ class Generator(Tracer):
         return {k: v for k, v in self._gen_kwargs.items() if k != "max_length"}
 
     def _run(self, scope):
-        model = self.model
+        model = self._model
         hf = model._module
         gen = model._generator_module
         if "generator" in hf._modules:
@@ -165,7 +165,7 @@ class Generator(Tracer):
         gen = self._gen_kwargs
         n = gen.get("max_new_tokens")
         for config in (gen.get("generation_config"),  # (as HF takes them: the call's first)
-                       getattr(self.model._module, "generation_config", None)):
+                       getattr(self._model._module, "generation_config", None)):
             if n is None:
                 n = getattr(config, "max_new_tokens", None)
         inter.steps = n + self._streams() if isinstance(n, int) else None
@@ -177,7 +177,7 @@ class Generator(Tracer):
             return super()._interleave(inter, made, args, kwargs)
 
     def _forward(self, inter, args: tuple, kwargs: dict):
-        model = self.model
+        model = self._model
         gen = self._gen_kwargs
         streamer = model._generator_module.streamer
         if self._streams():
@@ -202,4 +202,4 @@ class Generator(Tracer):
             "streamer" in names_read(self._body.code)
 
     def _result_envoy(self):
-        return self.model.generator
+        return self._model.generator

@@ -194,7 +194,7 @@ class Tracer(BodyContext):
 
     def _result_envoy(self):
         """The Envoy whose output ``tracer.result`` is: the model's root."""
-        return self.model
+        return self._model
 
     def cache(self, modules=None, *, device=_CPU, dtype=None, detach: bool = True,
               include_output: bool = True, include_inputs: bool = False,
@@ -224,7 +224,7 @@ class Tracer(BodyContext):
         if self._backend is not None:
             from .remote.client import run_remote
 
-            return run_remote(self, frame, self.model)
+            return run_remote(self, frame, self._model)
         self._run_in_scope(frame, self._run)
 
     def _no_source(self, err):
@@ -242,7 +242,7 @@ class Tracer(BodyContext):
         return exit_inline_trace(self, exc_type, exc)
 
     def _run(self, scope):
-        model = self.model
+        model = self._model
         if self._args or self._kwargs:  # the usual trace: one invoke, the trace's own body
             args, kwargs, sizes = model._batch_inputs(
                 [model._prepare_inputs(*self._args, **self._kwargs)])
@@ -327,7 +327,7 @@ class Tracer(BodyContext):
         self._inter = inter
         try:
             if self._scan:
-                _on_runner(lambda: _run_fake(inter, self.model, args, kwargs))
+                _on_runner(lambda: _run_fake(inter, self._model, args, kwargs))
             else:
                 _on_runner(lambda: inter.run(lambda: self._forward(inter, args, kwargs)))
         finally:
@@ -338,7 +338,7 @@ class Tracer(BodyContext):
     def _forward(self, inter: Interleaver, args: tuple, kwargs: dict):
         """What runs under the interleaver: the model's forward (``model.generate`` runs HF
         generate instead; see language.py)."""
-        return self.model._run_forward(args, kwargs)
+        return self._model._run_forward(args, kwargs)
 
 
 def _yield_to(call: dict, inv: "Invoker", name: str) -> dict:

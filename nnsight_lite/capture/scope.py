@@ -167,13 +167,11 @@ def write_back(frame: FrameType, values: dict, f_locals=None) -> None:
     if isinstance(f_locals, Scope) or not (code.co_flags & _CO_OPTIMIZED):
         f_locals.update(values)
         return
-    if values:  # a name the function declared `global` (not one of its variables) is bound
-        own = code.co_varnames, code.co_cellvars, code.co_freevars  # in its module
-        glob = [k for k in values if not any(k in names for names in own)]
-        if glob:
-            values = dict(values)
-            for k in glob:
-                frame.f_globals[k] = values.pop(k)
+    local, cells, free = code.co_varnames, code.co_cellvars, code.co_freevars
+    for k in values:
+        if k not in local and k not in cells and k not in free:  # declared `global` in the
+            values = _bind_globals(frame, values)  # function: bound in its module
+            break
     if _PY313:  # PEP 667: f_locals is a write-through proxy
         for name, value in values.items():
             f_locals[name] = value
@@ -182,6 +180,18 @@ def write_back(frame: FrameType, values: dict, f_locals=None) -> None:
         f_locals.update(values)
         _locals_to_fast(frame, 0)
     f_locals.clear()  # (see let_go_of_locals)
+
+
+def _bind_globals(frame: FrameType, values: dict) -> dict:
+    """Bind in ``frame``'s module the names of ``values`` that are none of its function's
+    variables (it declared them ``global``); return the others."""
+    code = frame.f_code
+    own = set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
+    glob = frame.f_globals
+    for k, v in values.items():
+        if k not in own:
+            glob[k] = v
+    return {k: v for k, v in values.items() if k in own}
 
 
 def let_go_of_locals(frame: FrameType) -> None:
