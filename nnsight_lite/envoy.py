@@ -140,7 +140,7 @@ class Envoy:
 
     @output.setter
     def output(self, value):
-        current_mediator(self, "output").set(self, OUTPUT, value)
+        current_mediator(self, "output", "set").set(self, OUTPUT, value)
 
     @property
     def inputs(self):
@@ -154,7 +154,7 @@ class Envoy:
                 f"{self._path}.inputs must be set to an (args, kwargs) pair, got "
                 f"{type(value).__name__}; to replace the first argument set .input instead"
             )
-        current_mediator(self, "inputs").set(self, INPUT, (tuple(value[0]), value[1]))
+        current_mediator(self, "inputs", "set").set(self, INPUT, (tuple(value[0]), value[1]))
 
     @property
     def input(self):
@@ -168,7 +168,7 @@ class Envoy:
 
     @input.setter
     def input(self, value):
-        med = current_mediator(self, "input")
+        med = current_mediator(self, "input", "set")
         args, kwargs = med.get(self, INPUT)
         if args:
             med.set(self, INPUT, ((value,) + tuple(args[1:]), kwargs))
@@ -289,7 +289,7 @@ class Envoy:
         """Move every later read of this body to the next call (generation step), as
         ``tracer.next()`` does: nnsight 0.5+'s alias. ``model.shared.next().output`` is a reused
         module's second call. Returns self."""
-        current_mediator(self, "next()").iteration += step
+        current_mediator(self, "next()", "called").iteration += step
         return self
 
     @property
@@ -307,7 +307,7 @@ class Envoy:
 
     def skip(self, value) -> None:
         """Do not run this module at its current call; use ``value`` as its output."""
-        current_mediator(self, "skip()").skip(self, value)
+        current_mediator(self, "skip()", "called").skip(self, value)
 
     @property
     def source(self):
@@ -461,7 +461,7 @@ class Envoy:
 
     def __setattr__(self, name: str, value) -> None:
         if name == "output" and self.__class__ is Envoy:  # (the setter below, in line: common)
-            current_mediator(self, "output").set(self, OUTPUT, value)
+            current_mediator(self, "output", "set").set(self, OUTPUT, value)
             return
         if name in Envoy._OWN or name.startswith("_"):
             object.__setattr__(self, name, value)

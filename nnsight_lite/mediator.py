@@ -173,30 +173,56 @@ def wait_for_name(scope, name: str):
     return scope[name]
 
 
-def current_mediator(envoy=None, what: str = "output") -> "Mediator":
-    """The Mediator of the body running now; raise OutsideTraceError where there is none."""
+def current_mediator(envoy=None, what: str = "output", action: str = "read") -> "Mediator":
+    """The Mediator of the body running now; raise OutsideTraceError where there is none.
+
+    ``what`` names the value or operation (``output``, ``skip()``; with no ``envoy``, the whole
+    name: ``tracer.next()``); ``action`` is what the body did with it (read, set, called)."""
     med = getattr(_getcurrent(), "mediator", None)
     if med is None:
-        where = envoy._path if envoy is not None else "a module"
-        if getattr(_collecting, "depth", 0):
-            raise OutsideTraceError(
-                f"{where}.{what} was read at {user_location()}, in the body of a trace that was "
-                "given no inputs. Such a body only sets up invokes: read module values inside a "
-                "`with tracer.invoke(...):` block, or pass the inputs to model.trace(...)."
-            )
-        if getattr(_getcurrent(), "grads", None) is not None:  # a backward block's body
-            raise OutsideTraceError(
-                f"{where}.{what} was read inside a `with loss.backward():` block (at "
-                f"{user_location()}). The forward is over when backprop runs, so only gradients "
-                f"are readable there: bind `h = {where}.{what}` before the backward block and "
-                "read `h.grad` inside it."
-            )
-        raise OutsideTraceError(
-            f"{where}.{what} was read outside a trace body (at {user_location()}). Module values "
-            "exist only while the model runs: read them inside `with model.trace(...):` (or a "
-            "`with tracer.invoke(...):` block) and call .save() on what you want to keep."
-        )
+        raise _no_body_error(envoy, what, action)
     return med
+
+
+def in_backward_block() -> bool:
+    """Whether the code running now is the body of a ``with loss.backward():`` block."""
+    return getattr(_getcurrent(), "grads", None) is not None
+
+
+def _no_body_error(envoy, what: str, action: str) -> OutsideTraceError:
+    """Why ``what`` cannot be used here, where no invoke body is running (the failure path of
+    current_mediator)."""
+    name = f"{envoy._path}.{what}" if envoy is not None else what
+    where = user_location()
+    if getattr(_collecting, "depth", 0):
+        return OutsideTraceError(
+            f"{name} was {action} at {where}, in the body of a trace that was given no inputs. "
+            "Such a body only sets up invokes: use module values inside a `with "
+            "tracer.invoke(...):` block, or pass the inputs to model.trace(...)."
+        )
+    if in_backward_block():
+        return OutsideTraceError(
+            f"{name} was read inside a `with loss.backward():` block (at {where}). The forward "
+            "is over when backprop runs, so only gradients are readable there: bind "
+            f"`h = {name}` before the backward block and read `h.grad` inside it."
+        )
+    if action == "read":
+        return OutsideTraceError(
+            f"{name} was read outside a trace body (at {where}). Module values exist only while "
+            "the model runs: read them inside `with model.trace(...):` (or a `with "
+            "tracer.invoke(...):` block) and call .save() on what you want to keep."
+        )
+    if action == "set":
+        return OutsideTraceError(
+            f"{name} was set outside a trace body (at {where}). Module values exist only while "
+            "the model runs: set them inside `with model.trace(...):` (or a `with "
+            "tracer.invoke(...):` block), or in `with model.edit(...):` for an edit that every "
+            "trace applies."
+        )
+    return OutsideTraceError(
+        f"{name} was {action} outside a trace body (at {where}); it acts on the model while it "
+        "runs: call it inside `with model.trace(...):` (or a `with tracer.invoke(...):` block)."
+    )
 
 
 class Mediator:

@@ -25,7 +25,7 @@ class _IterIndexer:
 
 
 def _iterate(item, form: str):
-    med = current_mediator(None, "iter")
+    med = current_mediator(None, form, "used")
     ends = (item.start, item.stop) if isinstance(item, slice) else \
         (item,) if isinstance(item, int) else tuple(item)
     bad = [i for i in ends if i is not None and i < 0]

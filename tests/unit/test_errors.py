@@ -62,6 +62,25 @@ class TestOrderErrors:
         with pytest.raises(OutsideTraceError, match=r"model\[0\]\.output was read outside"):
             model[0].output
 
+    def test_setting_or_skipping_after_the_trace(self, seq):
+        """A write or a skip outside a trace is named as such, with the advice for edits (it
+        said the value was read, and to call .save())."""
+        model = NNsight(seq)
+        with pytest.raises(OutsideTraceError, match=r"model\[0\]\.output was set outside a "
+                           r"trace body \(at .*test_errors\.py:\d+\).*model\.edit") as info:
+            model[0].output = torch.zeros(2, 6)
+        assert "read" not in str(info.value) and ".save()" not in str(info.value)
+        with pytest.raises(OutsideTraceError, match=r"model\[0\]\.inputs was set outside"):
+            model[0].inputs = ((torch.zeros(2, 6),), {})
+        with pytest.raises(OutsideTraceError, match=r"model\[1\]\.skip\(\) was called outside "
+                           r"a trace body") as info:
+            model[1].skip(torch.zeros(2, 6))
+        assert "read" not in str(info.value) and ".save()" not in str(info.value)
+        with pytest.raises(OutsideTraceError, match=r"^tracer\.next\(\) was called outside"):
+            with model.trace(torch.randn(2, 6)) as tracer:
+                pass
+            tracer.next()
+
     def test_misspelled_module_lists_near_matches(self, net):
         model = NNsight(net)
         with pytest.raises(ModulePathError, match=r"no submodule or attribute 'layres'.*'layers'"):
@@ -344,3 +363,4 @@ def test_nnsight_code_catching_value_error_still_catches(seq, net, x8):
     with pytest.raises(ValueError, match="never ran"):
         with model.trace(x8):
             model.unused.output
+
