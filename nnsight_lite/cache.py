@@ -26,7 +26,7 @@ import torch
 from . import batching
 from .envoy import Envoy, save
 from .errors import CacheError, ModulePathError, OutsideTraceError
-from .mediator import _MISSING, OUTPUT
+from .mediator import _MISSING, OUTPUT, backward_block_error, in_backward_block
 from .workers import _getcurrent, user_location
 
 #: Observers sort after every invoke body in a wait table (bodies are numbered from 0).
@@ -47,6 +47,9 @@ def open_cache(tracer, modules=None, *, device=torch.device("cpu"), dtype=None,
                 "tracer.invoke(...):` block (it records that invoke's rows; an empty "
                 "`with tracer.invoke():` records the whole batch)."
             )
+        if in_backward_block():
+            raise backward_block_error("tracer.cache()", "call it first in the trace body, "
+                                       "before any .output/.input access")
         raise OutsideTraceError(
             f"tracer.cache() was called outside a trace body (at {user_location()}); a cache "
             "records values while the model runs. Call it inside `with model.trace(...) as "

@@ -130,6 +130,10 @@ class Barrier:
     def __call__(self) -> None:
         med = getattr(_getcurrent(), "mediator", None)
         if med is None:
+            if in_backward_block():
+                raise backward_block_error(
+                    "tracer.barrier()", "call it in the invoke body, before or after the "
+                    "`with loss.backward():` block")
             raise OutsideTraceError(
                 f"a tracer.barrier() was called outside an invoke body (at {user_location()}); "
                 "call it inside the `with tracer.invoke(...):` blocks it synchronises")
@@ -189,6 +193,18 @@ def in_backward_block() -> bool:
     return getattr(_getcurrent(), "grads", None) is not None
 
 
+def backward_block_error(what: str, instead: str | None = None) -> OutsideTraceError:
+    """The error for ``what`` (an operation on the model's forward: ``tracer.next()``,
+    ``model[0].skip()``) used inside a ``with loss.backward():`` block."""
+    instead = instead or (f"use {what} in the trace body, before the `with loss.backward():` "
+                          "line")
+    return OutsideTraceError(
+        f"{what} cannot be used inside a `with loss.backward():` block (at {user_location()}): "
+        "the forward is over when backprop runs, and a backward block only reads and sets "
+        f"gradients (.grad). Instead, {instead}."
+    )
+
+
 def _no_body_error(envoy, what: str, action: str) -> OutsideTraceError:
     """Why ``what`` cannot be used here, where no invoke body is running (the failure path of
     current_mediator)."""
@@ -201,6 +217,11 @@ def _no_body_error(envoy, what: str, action: str) -> OutsideTraceError:
             "tracer.invoke(...):` block, or pass the inputs to model.trace(...)."
         )
     if in_backward_block():
+        if action == "set":
+            return backward_block_error(name, f"set {name} in the trace body, before the "
+                                        "`with loss.backward():` line")
+        if action != "read":
+            return backward_block_error(name)
         return OutsideTraceError(
             f"{name} was read inside a `with loss.backward():` block (at {where}). The forward "
             "is over when backprop runs, so only gradients are readable there: bind "

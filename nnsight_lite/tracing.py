@@ -29,7 +29,9 @@ from .mediator import (
     Barrier,
     StopTrace,
     _collecting,
+    backward_block_error,
     current_mediator,
+    in_backward_block,
     wait_for_name,
 )
 from .remote.hook import take_backend
@@ -181,6 +183,9 @@ class Tracer(BodyContext):
                 return self._result_envoy().output
         if self._result is not _MISSING:
             return self._result
+        if inter is not None and in_backward_block():
+            raise backward_block_error("tracer.result", "read `out = tracer.result` in the "
+                                       "trace body, before the `with loss.backward():` line")
         if self._collecting or inter is not None:
             raise NNsightError(
                 "tracer.result was read in the body of a trace that was given no inputs, which "

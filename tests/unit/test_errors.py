@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import traceback
 
 import pytest
@@ -364,3 +365,64 @@ def test_nnsight_code_catching_value_error_still_catches(seq, net, x8):
         with model.trace(x8):
             model.unused.output
 
+
+def _skip_first(tracer, model, h):
+    model[0].skip(h)
+
+
+def _set_output(tracer, model, h):
+    model[0].output = h
+
+
+def _loop_over_steps(tracer, model, h):
+    for step in tracer.iter[0:1]:
+        pass
+
+
+class TestForwardOperationsInABackwardBlock:
+    """What acts on the model's forward (tracer.result, tracer.cache(), tracer.next(),
+    tracer.iter, module.skip(), setting .output) used inside a `with loss.backward():` block
+    raises OutsideTraceError saying it cannot be used there (the forward is over), at the
+    user's line, and to use it in the trace body before the block. It had said the trace was
+    given no inputs, that the call was outside a trace body, or garbled the name (`a
+    module.tracer.next()`, "bind `h = model[0].skip()`")."""
+
+    @pytest.mark.parametrize("op, name", [
+        (lambda tracer, model, h: tracer.result, "tracer.result"),
+        (lambda tracer, model, h: tracer.cache(), r"tracer\.cache\(\)"),
+        (lambda tracer, model, h: tracer.next(), r"tracer\.next\(\)"),
+        (_loop_over_steps, r"tracer\.iter\[\.\.\.\]"),
+        (_skip_first, r"model\[0\]\.skip\(\)"),
+        (_set_output, r"model\[0\]\.output"),
+    ])
+    def test_says_it_cannot_be_used_there(self, seq, op, name):
+        model = NNsight(seq)
+        with pytest.raises(OutsideTraceError) as info:
+            with model.trace(torch.randn(2, 6)) as tracer:
+                h = model[0].output
+                with model.output.sum().backward():
+                    op(tracer, model, h)
+        text = str(info.value)
+        assert re.match(rf"{name} cannot be used inside a `with loss.backward\(\):` block "
+                        rf"\(at {re.escape(__file__)}:\d+\)", text), text
+        assert "the forward is over" in text and "in the trace body, before" in text
+        assert "given no inputs" not in text and "a module." not in text
+
+    def test_a_barrier(self, seq):
+        """tracer.barrier()'s call in a backward block inside an invoke said it was outside an
+        invoke body (while its note said invoke 0); the other invoke does not hang."""
+        model = NNsight(seq)
+        x = torch.randn(1, 6)
+        with pytest.raises(OutsideTraceError, match=r"tracer\.barrier\(\) cannot be used inside "
+                           r"a `with loss.backward\(\):` block .*before or after") as info:
+            with model.trace() as tracer:
+                b = tracer.barrier(2)
+                with tracer.invoke(x):
+                    h = model[0].output
+                    with model.output.sum().backward():
+                        b()  # in the backward block
+                with tracer.invoke(x):
+                    b()
+                    model[0].output
+        assert "outside an invoke body" not in str(info.value)
+        assert _this_file_line(info.value, "in the backward block")
