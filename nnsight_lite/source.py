@@ -343,6 +343,15 @@ class OpEnvoy:
             raise SourceUnavailableError(f"{slot.error} (at {user_location()})")
         return FunctionSource(self, slot.comp)
 
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # (copy / pickle protocol probes, private names)
+            raise AttributeError(name)
+        own = [a for a in dir(type(self)) if not a.startswith("_")]
+        raise ModulePathError(
+            f"{self._path} (an operation) has no attribute {name!r} (at {user_location()})."
+            f"{_near(name, own)} An operation has {', '.join('.' + a for a in own)}."
+        )
+
     def __repr__(self) -> str:
         parent = self._parent
         comp = parent._compiled() if isinstance(parent, Source) else parent._comp

@@ -101,6 +101,17 @@ class TestNames:
         with pytest.raises(AttributeError):
             NNsight(block).source.nothing_like_it
 
+    def test_misspelled_attribute_of_an_operation(self, block, x):
+        """A typo after an operation's name (``.ouput``) raises ModulePathError naming the
+        operation's path, the line and the close names (it was a bare AttributeError)."""
+        model = NNsight(block)
+        with pytest.raises(ModulePathError, match=r"model\.source\.torch_relu_0 \(an operation\) "
+                           r"has no attribute 'ouput' \(at .*test_source\.py:\d+\)\. Did you "
+                           r"mean 'output'"):
+            with model.trace(x):
+                model.source.torch_relu_0.ouput
+        assert not hasattr(model.source.torch_relu_0, "nothing_like_it")
+
 
 class Picker(torch.nn.Module):
     """Binds a function to a name before calling it and chains a call on a call's result: where
