@@ -246,6 +246,27 @@ def _no_body_error(envoy, what: str, action: str) -> OutsideTraceError:
     )
 
 
+def _never_ran(path: str, envoy, kind: str) -> str:
+    """Why ``path`` (a module or an operation) has no call in this forward, and where to look."""
+    from .source import OpEnvoy
+
+    if isinstance(envoy, OpEnvoy):
+        parent = envoy._parent
+        comp = parent._compiled()
+        line = comp.spans[comp.index[envoy._name]][0]
+        return (
+            f"{path} never ran in this forward: the line it is on ({comp.filename}:{line}) "
+            "did not run (a branch the forward did not take, or code after a return). "
+            f"print({parent._path}) shows each operation beside its line: pick one on a line "
+            "that runs"
+        )
+    return (
+        f"{path} never ran in this forward: the model's forward does not call it (it may be "
+        "defined but unused, or called on another path). Check print(model) for the module "
+        "that computes the value you want"
+    )
+
+
 class Mediator:
     """Runtime state of one invoke: its body greenlet, its batch rows and what it waits for."""
 
@@ -530,11 +551,7 @@ class Mediator:
                 f"{above.label()}"
             )
         elif slot.calls == 0:
-            reason = (
-                f"{path} never ran in this forward: the model's forward does not call it "
-                "(it may be defined but unused, or called on another path). Check print(model) "
-                "for the module that computes the value you want"
-            )
+            reason = _never_ran(path, envoy, kind)
         elif call and not self.iter_depth:
             reason = (
                 f"{path} ran only {slot.calls} time(s) in this forward, so call {call} never "

@@ -243,6 +243,20 @@ class TestOrder:
             t = model.source.torch_tanh_0.output.save()
         torch.testing.assert_close(t, torch.tanh(torch.relu(block.lin(x)) + torch.relu(-block.lin(x))))
 
+    def test_op_that_never_runs_points_at_the_source_listing(self, block, x):
+        """The MissedModuleError of an op that never ran names the line it is on and points at
+        print(<module>.source), which lists operations (it pointed at print(model), which does
+        not)."""
+        model = NNsight(block)
+        line = next(i for i, text in enumerate(open(__file__), 1) if "h = torch.tanh(h)" in text)
+        with pytest.raises(MissedModuleError) as info:
+            with model.trace(x):
+                model.source.torch_tanh_0.output
+        text = str(info.value)
+        assert f"the line it is on ({__file__}:{line}) did not run" in text
+        assert "print(model.source) shows each operation" in text
+        assert "print(model)" not in text
+
     def test_first_use_after_the_module_ran_is_refused(self, x):
         """Operations are counted from the first use in a trace: a first use after the module
         already ran raises OutOfOrderError that says to touch .source at the top."""
