@@ -260,6 +260,17 @@ def _never_ran(path: str, envoy, kind: str) -> str:
             f"print({parent._path}) shows each operation beside its line: pick one on a line "
             "that runs"
         )
+    module = envoy._module if envoy is not None else None
+    if module is not None and type(module).forward is torch.nn.Module.forward:
+        kids = list(module._modules)
+        child = (f"{path}[{kids[0]!r}]" if isinstance(module, torch.nn.ModuleDict) else
+                 f"{path}[-1]" if isinstance(module, torch.nn.ModuleList) else
+                 f"{path}.{kids[0]}") if kids else None
+        return (
+            f"{path} is a {type(module).__name__}, a container that is never called itself "
+            f"(it has no forward), so it has no .{kind} of its own. Read one of the modules it "
+            "holds instead" + (f", e.g. {child}.{kind}" if child else "")
+        )
     return (
         f"{path} never ran in this forward: the model's forward does not call it (it may be "
         "defined but unused, or called on another path). Check print(model) for the module "

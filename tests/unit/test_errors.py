@@ -28,6 +28,17 @@ def _this_file_line(exc: BaseException, text: str) -> bool:
     return False
 
 
+class _Routed(torch.nn.Module):
+    """Calls one module of a ModuleDict."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8)})
+
+    def forward(self, x):
+        return self.heads["a"](x)
+
+
 class TestOrderErrors:
     def test_out_of_order_names_module_invoke_and_line(self, seq):
         model = NNsight(seq)
@@ -49,6 +60,20 @@ class TestOrderErrors:
             with model.trace(x8):
                 u = model.unused.output  # never called
         assert _this_file_line(info.value, "never called")
+
+    def test_a_container_that_is_never_called(self, net, x8):
+        """.output of a ModuleList (a container, never called) says so and names a child to read
+        instead (it said the module may be defined but unused)."""
+        model = NNsight(net)
+        with pytest.raises(MissedModuleError, match=r"model\.layers is a ModuleList, a container "
+                           r"that is never called itself.*e\.g\. model\.layers\[-1\]\.output"):
+            with model.trace(x8):
+                model.layers.output
+        model = NNsight(_Routed())
+        with pytest.raises(MissedModuleError, match=r"model\.heads is a ModuleDict.*no \.input "
+                           r"of its own.*e\.g\. model\.heads\['a'\]\.input"):
+            with model.trace(x8):
+                model.heads.input
 
     def test_call_index_past_last_call(self, net, x8):
         model = NNsight(net)
