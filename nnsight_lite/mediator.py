@@ -482,7 +482,12 @@ class Mediator:
         if (self.skip_value is _MISSING or cur is None or cur[1] is not INPUT
                 or cur[2] != self.iteration
                 or cur[0] is not self.interleaver.slot_of(envoy)):  # (else a second skip at
-            self.get(envoy, INPUT)  # this call: it replaces the first)
+            try:  # this call: it replaces the first)
+                self.get(envoy, INPUT)
+            except OutOfOrderError as exc:  # named as the body wrote it, not as .input
+                path = envoy._path
+                exc.args = (str(exc).replace(f"{path}.input", f"{path}.skip(...)", 1),)
+                raise
         self.skip_value = value
 
     def _after_skip_error(self, envoy) -> OutOfOrderError:

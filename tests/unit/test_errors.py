@@ -54,6 +54,22 @@ class TestOrderErrors:
         assert _this_file_line(info.value, "the offending line")
         assert isinstance(info.value, RuntimeError)
 
+    def test_skip_of_a_module_that_already_ran(self, seq, net, x8):
+        """.skip() of a module that already ran (or never runs) names the .skip(...) the body
+        wrote; it named model[0].input, which the line does not mention."""
+        model = NNsight(seq)
+        with pytest.raises(OutOfOrderError, match=r"invoke 0 asked for model\[0\]\.skip\(\.\.\.\) "
+                           r"at .*test_errors\.py:\d+, but model\[0\] has already run") as info:
+            with model.trace(torch.randn(2, 6)):
+                h = model[1].output
+                model[0].skip(h)  # too late
+        assert ".input" not in str(info.value)
+        assert _this_file_line(info.value, "too late")
+        model = NNsight(net)
+        with pytest.raises(MissedModuleError, match=r"waited for model\.unused\.skip\(\.\.\.\)"):
+            with model.trace(x8):
+                model.unused.skip(x8)
+
     def test_module_that_never_runs(self, net, x8):
         model = NNsight(net)
         with pytest.raises(MissedModuleError, match=r"model\.unused\.output .*never ran") as info:
