@@ -289,7 +289,7 @@ class Envoy:
         """Move every later read of this body to the next call (generation step), as
         ``tracer.next()`` does: nnsight 0.5+'s alias. ``model.shared.next().output`` is a reused
         module's second call. Returns self."""
-        current_mediator(self, "next()", "called").iteration += step
+        current_mediator(self, "next()", "called").move(step, self)
         return self
 
     @property

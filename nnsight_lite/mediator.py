@@ -476,6 +476,19 @@ class Mediator:
         self.cur_value = value
         self.replaced = True
 
+    def move(self, step: int, envoy=None) -> None:
+        """``.next(step)`` (``envoy``'s, or the tracer's where None): every later read of this
+        body addresses the call ``step`` further on; there is no call before 0."""
+        call = self.iteration + step
+        if call < 0:
+            name = f"{envoy._path}.next({step})" if envoy is not None else f"tracer.next({step})"
+            raise InputError(
+                f"{name} at {user_location()} steps back past the first call: this "
+                f"body's reads are at call {self.iteration}, and calls count from 0. A negative "
+                "step only undoes an earlier .next() (.next(-1) after .next())."
+            )
+        self.iteration = call
+
     def skip(self, envoy, value) -> None:
         """Run no ``envoy`` at this body's current call: its output is ``value``."""
         cur = self.cur_key

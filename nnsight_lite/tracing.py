@@ -158,7 +158,7 @@ class Tracer(BodyContext):
                 tracer.next()
                 h1 = model.lm_head.output.save()        # step 1
         """
-        current_mediator(None, "tracer.next()", "called").iteration += step
+        current_mediator(None, "tracer.next()", "called").move(step)
         return self
 
     def log(self, *values) -> None:

@@ -17,7 +17,7 @@ from nnsight_lite import (
     OutOfOrderError,
     OutsideTraceError,
 )
-from nnsight_lite.errors import InferenceModeSwitchError, InvokeError
+from nnsight_lite.errors import InferenceModeSwitchError, InputError, InvokeError
 
 
 def _this_file_line(exc: BaseException, text: str) -> bool:
@@ -98,6 +98,25 @@ class TestOrderErrors:
                 a = model.shared.output
                 b = model.shared.next().output
                 c = model.shared.next().output
+
+    def test_a_step_back_before_call_0(self, net, x8):
+        """.next(-1) at call 0 raises InputError at once (it asked for 'call -1' and said the
+        module had already run it); a step back after a .next() still works."""
+        model = NNsight(net)
+        with pytest.raises(InputError, match=r"model\.shared\.next\(-1\) at .*test_errors\.py:"
+                           r"\d+ steps back past the first call: this body's reads are at call 0"):
+            with model.trace(x8):
+                model.shared.next(-1).output
+        with pytest.raises(InputError, match=r"^tracer\.next\(-2\) at .*call 1, and calls count"):
+            with model.trace(x8) as tracer:
+                tracer.next()
+                tracer.next(-2)
+        with model.trace(x8) as tracer:
+            tracer.next()
+            tracer.next(-1)  # back at call 0
+            first = model.shared.output.save()
+            second = model.shared.next().output.save()
+        assert not torch.equal(first, second)
 
     def test_reading_after_the_trace(self, seq):
         model = NNsight(seq)
