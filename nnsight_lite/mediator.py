@@ -550,6 +550,16 @@ class Mediator:
                 "(`with model.session():` holds both), or bind it in the earlier invoke "
                 f"before {envoy._path} runs."
             )
+        if pos and pos[0] is slot and pos[2] > call:  # the same module, at a later call
+            return OutOfOrderError(
+                f"{self.label()} asked for {envoy._path}.{kind} (call {call}) at {where}, but "
+                f"{envoy._path} has already run that call (the forward is now at its call "
+                f"{pos[2]}). A body reads a module's calls in the order the model makes them: "
+                f"read call {call} before a later one" + (
+                    " (after a tracer.iter loop, reads are at call 0 again: read it inside the "
+                    "loop, at its step)" if not call else "") +
+                ", or address the call you want with .next() or tracer.iter[k]."
+            )
         return OutOfOrderError(
             f"{self.label()} asked for {what} at {where}, but {envoy._path} has already "
             f"run that call{now}. A body must read module values in the order the model "

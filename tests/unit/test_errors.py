@@ -70,6 +70,21 @@ class TestOrderErrors:
             with model.trace(x8):
                 model.unused.skip(x8)
 
+    def test_an_earlier_call_of_the_same_module(self, net, x8):
+        """Asking for a module's call 0 after it has run call 1 (a read after a step loop) names
+        the call asked for and the one the forward is at; it named neither call 0 nor the
+        module apart ('now at model.shared.output, call 1') and spoke of 'the later module'."""
+        model = NNsight(net)
+        with pytest.raises(OutOfOrderError, match=r"asked for model\.shared\.output \(call 0\) "
+                           r"at .*test_errors\.py:\d+, but model\.shared has already run that "
+                           r"call \(the forward is now at its call 1\).*inside the loop") as info:
+            with model.trace(x8) as tracer:
+                for step in tracer.iter[0:2]:
+                    h = model.shared.output
+                last = model.shared.output  # back at call 0
+        assert "the later module" not in str(info.value)
+        assert _this_file_line(info.value, "back at call 0")
+
     def test_module_that_never_runs(self, net, x8):
         model = NNsight(net)
         with pytest.raises(MissedModuleError, match=r"model\.unused\.output .*never ran") as info:
