@@ -74,8 +74,8 @@ def _compile_body(frame: FrameType, what: str) -> Body:
     if (node.body[0].lineno == node.lineno and not trivial
             and INLINE_NAME not in frame.f_code.co_names):
         raise BodySyntaxError(
-            f"the body of the `with ...{what}(...)` block at {filename}:{lineno} starts on the "
-            "`with` line itself; put it on its own indented lines",
+            f"the body of a `with ...{what}(...)` block starts on the `with` line itself; put "
+            "it on its own indented lines",  # (SyntaxError's str() adds the file and line)
             (filename, lineno, 1, lines[lineno - 1] if lineno <= len(lines) else ""),
         )
     # the parsed tree is shared by the call sites of one source: rewrite a copy

@@ -81,8 +81,8 @@ def body_syntax_error(exc: SyntaxError, what: str, filename: str, lineno: int):
         )
     else:
         hint = f"the body of the `with ...{what}(...)` block does not compile: {msg}"
-    err = BodySyntaxError(
-        f"{hint} ({filename}, line {exc.lineno}; the block starts at line {lineno})",
+    err = BodySyntaxError(  # (SyntaxError's str() adds the file's name and line: not here)
+        f"{hint}; the `with` block starts at line {lineno}",
         (filename, exc.lineno, exc.offset, exc.text),
     )
     return err

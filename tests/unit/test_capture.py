@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import linecache
+import re
 import runpy
 import textwrap
 
@@ -218,6 +219,30 @@ class TestBodySyntax:
 
         with pytest.raises(BodySyntaxError, match="`return` cannot appear"):
             f()
+
+    def test_the_location_is_given_once(self, model):
+        """str() of a BodySyntaxError names the file and line once (SyntaxError's own suffix)
+        and the with-block's first line; the message carried its own copy of the location
+        too. The error's filename and lineno are the offending statement's."""
+        x = torch.randn(2, 6)
+
+        def f():
+            with model.trace(x):
+                return model[0].output  # the bad line
+
+        with pytest.raises(BodySyntaxError) as info:
+            f()
+        text = str(info.value)
+        line = f.__code__.co_firstlineno + 2
+        assert text.endswith(f"; the `with` block starts at line {line - 1} "
+                             f"(test_capture.py, line {line})"), text
+        assert len(re.findall(r"line \d+", text)) == 2 and __file__ not in text
+        assert (info.value.filename, info.value.lineno) == (__file__, line)
+        with pytest.raises(BodySyntaxError) as info:
+            with model.trace(x): h = model[0].output.save()  # noqa: E701,F841
+        text = str(info.value)
+        assert text.endswith(f"(test_capture.py, line {info.value.lineno})"), text
+        assert len(re.findall(r"line \d+", text)) == 1 and __file__ not in text
 
     def test_yield_in_body(self, model):
         x = torch.randn(2, 6)
