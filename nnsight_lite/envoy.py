@@ -486,10 +486,7 @@ class Envoy:
         try:
             sub = self._module[key]
         except (IndexError, KeyError, TypeError) as exc:
-            raise type(exc)(
-                f"{self._path}[{key!r}]: {exc} ({type(self._module).__name__} of "
-                f"length {len(self._module)})"
-            ) from None
+            raise self._bad_index(key, exc) from None
         if isinstance(key, slice):
             return [self[i] for i in range(len(self._module))[key]]
         if not isinstance(sub, torch.nn.Module):
@@ -534,10 +531,26 @@ class Envoy:
             return len(self._module)
         except TypeError:
             pass
-        raise NotAContainerError(
-            f"{self._path} ({type(self._module).__name__}) is not a container of modules: "
-            "len(), loops and unpacking work on the Envoys of ModuleList, Sequential and "
-            "ModuleDict; reach a child by its name (print(model) lists them).")
+        raise self._not_a_container("len(), loops and unpacking work")
+
+    def _not_a_container(self, works: str, child: str = "a child by its name (print(model) "
+                         "lists them)", lead: str = "") -> NotAContainerError:
+        return NotAContainerError(
+            f"{lead}{self._path} ({type(self._module).__name__}) is not a container of modules: "
+            f"{works} on the Envoys of ModuleList, Sequential and ModuleDict; reach {child}.")
+
+    def _bad_index(self, key, exc: Exception) -> Exception:
+        """Why ``envoy[key]`` failed: a key the container does not have, or no container."""
+        module = self._module
+        try:
+            length = len(module)
+        except TypeError:
+            child = (f"it as {self._path}.{key}" if isinstance(key, str) and key in module._modules
+                     else "a child as an attribute, by its name (print(model) lists them)")
+            return self._not_a_container("indexing works", child,
+                                         f"{self._path}[{key!r}] at {user_location()}: ")
+        return type(exc)(f"{self._path}[{key!r}]: {exc} ({type(module).__name__} of length "
+                         f"{length})")
 
     def __call__(self, *args, hook: bool = False, **kwargs):
         """Call the module. From a body this is an ordinary call, not one of the traced

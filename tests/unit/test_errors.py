@@ -17,7 +17,12 @@ from nnsight_lite import (
     OutOfOrderError,
     OutsideTraceError,
 )
-from nnsight_lite.errors import InferenceModeSwitchError, InputError, InvokeError
+from nnsight_lite.errors import (
+    InferenceModeSwitchError,
+    InputError,
+    InvokeError,
+    NotAContainerError,
+)
 
 
 def _this_file_line(exc: BaseException, text: str) -> bool:
@@ -169,6 +174,18 @@ class TestOrderErrors:
         model = NNsight(net)
         with pytest.raises(IndexError, match=r"model\.layers\[7\]"):
             model.layers[7]
+
+    def test_indexing_a_module_that_is_not_a_container(self, net):
+        """model["layers"] on a module that is no container raises NotAContainerError (a
+        TypeError) naming the index, the line and the attribute to use; it raised the
+        internal "object of type 'Net' has no len()"."""
+        model = NNsight(net)
+        with pytest.raises(NotAContainerError, match=r"^model\['layers'\] at .*test_errors\.py:"
+                           r"\d+: model \(Net\) is not a container of modules: indexing works .*"
+                           r"reach it as model\.layers\.$"):
+            model["layers"]
+        with pytest.raises(TypeError, match=r"model\.inp \(Linear\) is not a container.*print"):
+            model.inp[0]
 
     def test_trace_body_reads_other_models_values(self, seq, net, x8):
         a, b = NNsight(seq), NNsight(net)
