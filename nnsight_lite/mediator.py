@@ -27,7 +27,7 @@ from .errors import (
     OutOfOrderError,
     OutsideTraceError,
 )
-from .tracebacks import record_reshape
+from .tracebacks import record_reshape, record_skip
 from .workers import (
     _FINISHED,
     INFERENCE_BIT,
@@ -501,6 +501,7 @@ class Mediator:
                 path = envoy._path
                 exc.args = (str(exc).replace(f"{path}.input", f"{path}.skip(...)", 1),)
                 raise
+        record_skip(self, envoy, value)  # noted on an error it may lead to
         self.skip_value = value
 
     def _after_skip_error(self, envoy) -> OutOfOrderError:

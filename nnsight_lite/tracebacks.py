@@ -6,6 +6,7 @@
                            asks for every frame, for debugging the runtime
     record_reshape(...)    a body replaced a module value with one of another shape: remember
                            who, where and the two shapes (called on the replacement path only)
+    record_skip(...)       a body skipped a module with a value of another shape than its input
     note_reshaped(exc, r)  an error the model's forward raised after such replacements gets a
                            note naming each (the module path, the invoke, the user's line)
 
@@ -123,18 +124,38 @@ def record_reshape(med, envoy, kind: str, old, new) -> None:
         name = ".input" if where == "[0][0]" else f".inputs{where}"
     else:
         name = f".{kind}{where}"
+    target = envoy._path + name
+    _keep(med, f"nnsight_lite: this may come from a replaced value: {target}{_call(med)} was "
+          f"set by {med.label()} at {user_location()} to {_what(now)} in place of {_what(was)}. "
+          f"Give it the shape the model produced there, or edit the value in place "
+          f"(`{target}[:] = ...`).")
+
+
+def record_skip(med, envoy, value) -> None:
+    """Called when ``med``'s body skips ``envoy`` with ``value`` as its output: a skipped module
+    mostly passes its input's shape on, so where ``value`` (or its first member) is a tensor of
+    another shape than the module's first input, keep a line saying so for note_reshaped."""
+    args, kwargs = med.cur_value
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    out = value[0] if isinstance(value, (tuple, list)) and value else value
+    if not (isinstance(first, _TENSOR) and isinstance(out, _TENSOR)) or first.shape == out.shape:
+        return
+    _keep(med, f"nnsight_lite: this may come from a skipped module: {envoy._path}{_call(med)} "
+          f"was skipped by {med.label()} at {user_location()} with {_what(out)} as its output, "
+          f"where its input was {_what(first)}. Give .skip() a value of the shape the module "
+          "returns.")
+
+
+def _call(med) -> str:
     call = med.cur_key[2] if med.cur_key is not None else 0
+    return f" (call {call})" if call else ""
+
+
+def _keep(med, line: str) -> None:
     inter = med.interleaver
     if not inter.reshaped:
         inter.reshaped = []
-    target = envoy._path + name
-    inter.reshaped.append(
-        f"nnsight_lite: this may come from a replaced value: {target}"
-        + (f" (call {call})" if call else "")
-        + f" was set by {med.label()} at {user_location()} to {_what(now)} in place of "
-        f"{_what(was)}. Give it the shape the model produced there, or edit the value in place "
-        f"(`{target}[:] = ...`)."
-    )
+    inter.reshaped.append(line)
 
 
 def note_reshaped(exc: BaseException, reshaped: list) -> None:

@@ -168,6 +168,28 @@ class TestWrongShapeReplacement:
                                "model[2].input was set by invoke 1 at ")
         assert "a tensor of shape (1, 5) in place of a tensor of shape (1, 8)" in note
 
+    def test_a_skip_with_a_value_of_another_shape(self):
+        """.skip(value) where value's shape is not the module's input's (a skipped layer mostly
+        passes that shape on): the model's error names the skipped module, the invoke, this
+        line and both shapes (it had no note). A skip of the input's shape leaves no record."""
+        net = _net()
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+        with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
+            with model.trace(x):
+                model[1].skip(torch.zeros(2, 3))  # the bad skip
+        line = inspect.currentframe().f_lineno - 1
+        assert _notes(info.value) == [
+            "nnsight_lite: this may come from a skipped module: model[1] was skipped by invoke 0 "
+            f"at {__file__}:{line} with a tensor of shape (2, 3) as its output, where its input "
+            "was a tensor of shape (2, 8). Give .skip() a value of the shape the module returns."]
+        with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
+            with model.trace(x):
+                model[0].output = torch.zeros(2, 5)
+                model[1].skip(torch.zeros(2, 5))  # the input's shape: not noted
+        (note,) = _notes(info.value)
+        assert "model[0].output was set" in note
+
     def test_no_note_for_same_shape_or_for_a_bodys_own_error(self):
         """A same-shape replacement leaves no record; an error a body raises itself (after a
         wrong-shape replacement) is the body's and gets no replacement note."""
