@@ -176,8 +176,14 @@ def set_grad(t, value) -> None:
         t.grad = value
         return
     rows = _rows_of(t)
-    ctx.request(t)
+    grad = ctx.request(t)
     if rows is None:
+        if value.__class__ is _Tensor and value.shape != grad.shape:  # (autograd refuses it)
+            raise GradientError(
+                f".grad of a {_describe(t)} was set at {user_location()} to a {_describe(value)}; "
+                f"the gradient that flows on from it must keep its shape {tuple(grad.shape)}. "
+                "Set a tensor of that shape, or edit the gradient in place (`h.grad[:] = ...`)."
+            )
         ctx.cur_value = value
     else:  # an invoke's rows of a batched activation: replace only those rows
         full = ctx.cur_value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import traceback
 import warnings
 
 import pytest
@@ -180,6 +181,28 @@ class TestGradErrors:
                 with loss.backward():
                     model[1].output.grad
         torch.testing.assert_close(model(x), seq[3](seq[2](seq[1](seq[0](x)))))
+
+    def test_setting_a_gradient_of_another_shape(self, seq):
+        """``h.grad = g`` with g of another shape raises GradientError at that line naming both
+        shapes; it was autograd's bare "hook '<unknown>' has changed the size of value", raised
+        at the `with` line. Nothing is left behind, and a same-shape set still works."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with pytest.raises(GradientError, match=r"\.grad of a tensor of shape \(2, 6\) .*was set "
+                           r"at .*test_backward\.py:\d+ to a tensor of shape \(3,\) .*must keep "
+                           r"its shape \(2, 6\)") as info:
+            with model.trace(x):
+                h = model[1].output
+                with model.output.sum().backward():
+                    h.grad = torch.zeros(3)  # the wrong shape
+        assert any(fs.filename == __file__ and "the wrong shape" in (fs.line or "")
+                   for fs in traceback.extract_tb(info.value.__traceback__))
+        seq.zero_grad()
+        with model.trace(x):
+            h = model[1].output
+            with model.output.sum().backward():
+                h.grad = torch.zeros(2, 6)
+        assert not seq[0].weight.grad.any() and seq[3].weight.grad.any()
 
     def test_old_idiom_reading_activation_grad(self, seq):
         """``h.grad`` of an activation outside a backward block raises GradientError, without
