@@ -96,7 +96,7 @@ def find_with(frame: FrameType, what: str):
             f"directly; nnsight_lite runs the body of a with-statement, so use it as one: "
             f"`with ...{what}(...):` followed by the indented code to run."
         )
-    raise _unavailable(filename, lineno, what, tried)
+    raise _unavailable(filename, lineno, what, tried, frame.f_globals)
 
 
 #: the instructions that enter a context manager for a with-statement (3.10: SETUP_WITH)
@@ -422,7 +422,8 @@ def _const(value) -> tuple:
 # --------------------------------------------------------------------------- the error
 
 
-def _unavailable(filename: str, lineno: int, what: str, tried) -> SourceUnavailableError:
+def _unavailable(filename: str, lineno: int, what: str, tried,
+                 module_globals=None) -> SourceUnavailableError:
     head = f"cannot run this `with ...{what}(...)` block at {filename}:{lineno}: "
     if all(origin in ("-c", "magic") for origin, _ in tried):  # only guesses, none right
         return NoSourceError(
@@ -441,6 +442,12 @@ def _unavailable(filename: str, lineno: int, what: str, tried) -> SourceUnavaila
         todo = ("The file was edited after the module was imported: reload the module "
                 "(importlib.reload, or restart the program/kernel) so the running code and the "
                 "file agree.")
+    elif _loaded_for(filename, module_globals):
+        todo = (f"No file {filename!r} exists: linecache took for it the source of module "
+                f"{module_globals.get('__name__')!r} (through the __loader__ of the globals this "
+                "code runs with, as when exec() is given a module's globals), which is other "
+                "code. Register the code's own source in linecache under that filename, write "
+                "it to that file, or run it with globals that have no __loader__.")
     else:
         todo = (f"Other source is registered under the same name {filename!r}: compile each "
                 "piece of code under a filename of its own (and register that source in "
@@ -449,6 +456,19 @@ def _unavailable(filename: str, lineno: int, what: str, tried) -> SourceUnavaila
         head + f"the source found for it is not the code that is running ({reasons}), so its "
         f"body cannot be compiled from it without running a different block. {todo}"
     )
+
+
+def _loaded_for(filename: str, module_globals) -> bool:
+    """Whether linecache's lines for ``filename``, a file that does not exist, may be another
+    module's: read through the ``__loader__`` of the globals the code runs with (linecache
+    asks it for the source of ``__name__``, whatever the filename)."""
+    if not module_globals or "__name__" not in module_globals:
+        return False
+    loader = module_globals.get("__loader__")
+    if loader is None:
+        spec = module_globals.get("__spec__")
+        loader = getattr(spec, "loader", None)
+    return hasattr(loader, "get_source") and module_globals.get("__file__") != filename
 
 
 _GUESSES = {"-c": "`python -c` program", "magic": "cell of the enclosing IPython magic"}

@@ -8,6 +8,7 @@ cell): those must give SourceUnavailableError, never run another block's body.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import linecache
 import subprocess
 import sys
@@ -200,6 +201,26 @@ class TestExecSharingFilename:
         finally:
             linecache.cache.pop(filename, None)
         assert ns["ran"] == [] and "h" not in ns
+
+    def test_a_missing_file_read_through_the_globals_loader(self, seq, tmp_path):
+        """Code compiled under the name of a file that does not exist, run with a module's
+        globals: linecache gives that module's source (from its __loader__) for the name. The
+        error says so and what to do; it said other source was registered under the name."""
+        model = NNsight(seq)
+        filename = str(tmp_path / "missing" / "gen.py")
+        src = "\n\nwith model.trace(x):\n    h = model[1].output.save()\n"
+        ns = {"__name__": __name__, "__file__": __file__,
+              "__loader__": importlib.machinery.SourceFileLoader(__name__, __file__),
+              "model": model, "x": torch.randn(2, 6)}
+        try:
+            with pytest.raises(SourceUnavailableError) as info:
+                exec(compile(src, filename, "exec"), ns)
+        finally:
+            linecache.cache.pop(filename, None)
+        text = str(info.value)
+        assert f"No file {filename!r} exists: linecache took for it the source of module " \
+               f"{__name__!r} (through the __loader__" in text
+        assert "registered under the same name" not in text and "h" not in ns
 
     def test_identical_source_under_a_shared_name_runs(self, seq):
         """The same text registered under the name is the running code: it runs."""
