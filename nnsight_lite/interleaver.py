@@ -118,12 +118,24 @@ class Interleaver:
             moved = self._moved(envoy)
             if moved is not None:
                 raise OutsideTraceError(moved)
-            raise OutsideTraceError(
-                f"{envoy._path} is not part of the model being traced here (at "
-                f"{user_location()}); each model's values can only be read inside its own "
-                "trace. Open a trace on that model (they can be nested)."
-            )
+            raise OutsideTraceError(self._other_model(envoy))
         return slot
+
+    def _other_model(self, envoy) -> str:
+        """Why an Envoy of another model than this trace's cannot be read in its body."""
+        head = (f"{envoy._path} is not part of the model being traced here (at "
+                f"{user_location()}): a body reads the values of the model of the innermost "
+                "trace it is written in. ")
+        wrapped = getattr(envoy._module.__dict__.get("forward"), "__wrapped__", None)
+        if isinstance(wrapped, Slot) and wrapped.live.inter is not None:  # its trace is open
+            return head + (
+                "A trace of that model is open around this one: read its values in that "
+                "trace's body, outside this inner `with` block (a name bound there can be used "
+                "in here).")
+        return head + (
+            "Read them in the body of a trace of that model, on a `with` line of its own (two "
+            "traces opened in one `with` statement share one body, which belongs to the last "
+            "of them).")
 
     def _moved(self, envoy) -> "str | None":
         """Why an Envoy of this trace's own model has no slot, when its module was replaced

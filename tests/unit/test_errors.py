@@ -193,6 +193,29 @@ class TestOrderErrors:
             with b.trace(x8):
                 a[0].output
 
+    def test_another_models_values_where_its_trace_is_open(self, seq, net, x8):
+        """Two traces in one `with` statement, or one nested in another: the body belongs to
+        the last / innermost, and a read of the other model's value says so and where to read
+        it. It said to open a trace on that model, which was open."""
+        a, b = NNsight(seq), NNsight(net)
+        x = torch.randn(3, 6)
+        with pytest.raises(OutsideTraceError, match=r"^model\[0\] is not part of the model being "
+                           r"traced here \(at .*test_errors\.py:\d+\): a body reads the values "
+                           r"of the model of the innermost trace.*the last of them") as info:
+            with a.trace(x), b.trace(x8):
+                a[0].output
+        assert "Open a trace on that model" not in str(info.value)
+        with pytest.raises(OutsideTraceError, match=r"A trace of that model is open around this "
+                           r"one: read its values in that trace's body, outside this inner"):
+            with a.trace(x):
+                with b.trace(x8):
+                    a[0].output
+        with a.trace(x):  # the way the message says
+            h = a[0].output
+            with b.trace(x8):
+                g = (b.inp.output.sum() + h.sum()).save()
+        assert g.shape == ()
+
     def test_an_envoy_kept_from_before_its_module_was_replaced(self, seq):
         """An Envoy held in a variable while its module is replaced in the model stands for
         the old module: the error says so and how to reach the new one (it said the module
