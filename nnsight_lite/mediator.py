@@ -153,11 +153,35 @@ class Barrier:
         return len(waiting) + others >= self.n
 
     def short_error(self, med: "Mediator", wait: BarrierWait) -> NNsightError:
+        others = [m for m in med.interleaver.mediators if m is not med and not m.done
+                  and isinstance(m.pending, NameWait) and m not in self.arrived]
+        if others:  # the bodies that could come are waiting themselves: a deadlock
+            fix = []
+            if any(isinstance(m.pending, BarrierWait) for m in others):
+                fix.append("call the barriers in the same order in every invoke")
+            if any(not isinstance(m.pending, BarrierWait) for m in others):
+                fix.append("a name another invoke reads before its barrier call must be bound "
+                           "before this invoke's barrier call, not after it")
+            return MissedModuleError(
+                f"{med.label()} waited at tracer.barrier({self.n}) at {wait.where}, but only "
+                f"{len(self.arrived)} invoke body(ies) reached it in this round, and the "
+                f"others are blocked: {'; '.join(_waiting_on(m) for m in others)}. The invokes "
+                f"wait on each other: {' and '.join(fix)}.")
         return MissedModuleError(
             f"{med.label()} waited at tracer.barrier({self.n}) at {wait.where}, but only "
             f"{len(self.arrived)} invoke body(ies) reached it in this round and no other can any "
             "more (the rest have ended, or the forward is over). Pass tracer.barrier(n) the "
             "number of invokes that call it, and call it the same number of times in each.")
+
+
+def _waiting_on(med: "Mediator") -> str:
+    """What ``med``, suspended at a name or a barrier, waits for, and where (for messages)."""
+    g = med.greenlet
+    where = user_location(g.gr_frame) if g is not None and g.gr_frame is not None else "<unknown>"
+    req = med.pending
+    if isinstance(req, BarrierWait):
+        return f"{med.label()} waits at another tracer.barrier({req.barrier.n}) at {req.where}"
+    return f"{med.label()} waits at {where} for the name {req.name!r}, which no invoke has bound"
 
 
 def wait_for_name(scope, name: str):

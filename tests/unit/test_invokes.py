@@ -291,6 +291,37 @@ def test_a_barrier_nobody_else_can_reach_says_so(seq):
             tracer.barrier(0)
 
 
+def test_a_barrier_deadlock_names_what_the_other_invoke_waits_for(seq):
+    """Invokes waiting on each other (invoke 1 reads a name invoke 0 binds only after the
+    barrier; two barriers called in opposite orders) get an error naming what the other
+    invoke waits for and where, and the fix; it blamed the barrier's count."""
+    model = NNsight(seq)
+    x = torch.randn(1, 6)
+    with pytest.raises(MissedModuleError, match=r"invoke 0 waited at tracer\.barrier\(2\) .*the "
+                       r"others are blocked: invoke 1 waits at .*test_invokes\.py:\d+ for the "
+                       r"name 'a', which no invoke has bound\..*must be bound before") as info:
+        with model.trace() as tracer:
+            b = tracer.barrier(2)
+            with tracer.invoke(x):
+                h = model[0].output
+                b()
+                a = h * 2
+            with tracer.invoke(x):
+                c = a + 1
+                b()
+    assert "the same number of times" not in str(info.value)
+    with pytest.raises(MissedModuleError, match=r"invoke 1 waits at another tracer\.barrier\(2\) "
+                       r"at .*test_invokes\.py:\d+\..*the barriers in the same order"):
+        with model.trace() as tracer:
+            b1, b2 = tracer.barrier(2), tracer.barrier(2)
+            with tracer.invoke(x):
+                b1()
+                b2()
+            with tracer.invoke(x):
+                b2()
+                b1()
+
+
 def test_values_collected_per_layer_patch_a_later_invoke_layer_by_layer(seq):
     """The README's pattern: invoke 0 appends each layer's output as it comes; invoke 1 asks
     for its own layer output first, then copies invoke 0's in, so its output equals the clean
