@@ -107,7 +107,7 @@ class Editor(BodyContext):
         for k, v in snapshot.items():
             if isinstance(v, Envoy) and _holds(v, target):
                 snapshot[k] = _Held(v)
-        edit = (self._body, snapshot, frame.f_globals, selves)
+        edit = _Edit((self._body, snapshot, frame.f_globals, selves))
         target.__dict__["_edits"] = target._edits + (edit,)
 
 
@@ -118,6 +118,22 @@ def _holds(envoy, target) -> bool:
         return True
     module = target._module
     return envoy._module is not module and any(m is module for m in envoy._module.modules())
+
+
+class _Edit(tuple):
+    """One persistent edit: ``(body, names it reads, its globals, names meaning the model)``.
+    Pickling or deep-copying it (with the model that holds it) says why it cannot be done,
+    instead of pickle's "cannot pickle code objects"."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol):
+        body = self[0]
+        raise TypeError(
+            f"a model with persistent edits cannot be pickled or deep-copied: the edit made by "
+            f"`with ...edit(...)` at {body.filename}:{body.lineno} is a compiled body holding the "
+            "names it was written with. Call model.clear_edits() first (and make the edits "
+            "again on the copy), or copy the module itself and wrap it again.")
 
 
 class _Held:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import inspect
+import pickle
+import re
 import weakref
 
 import pytest
@@ -100,6 +104,26 @@ class TestEdit:
         with model.trace(x):
             out = model.output.save()
         torch.testing.assert_close(out, seq(x))
+
+
+    def test_pickling_or_deep_copying_an_edited_model_names_the_edit(self, seq):
+        """pickle / deepcopy of a model with persistent edits raises TypeError naming the edit's
+        line and model.clear_edits() (it said "cannot pickle code objects" / "'module' object");
+        a shallow copy keeps working, and after clear_edits() both work."""
+        model = NNsight(seq)
+        with model.edit(inplace=True):
+            model[1].output[:] = 0
+        line = inspect.currentframe().f_lineno - 2
+        for make in (pickle.dumps, copy.deepcopy):
+            with pytest.raises(TypeError, match=rf"persistent edits cannot be pickled or deep-"
+                               rf"copied: the edit made by `with \.\.\.edit\(\.\.\.\)` at "
+                               rf"{re.escape(__file__)}:{line} .*model\.clear_edits\(\)"):
+                make(model)
+        assert copy.copy(model)._edits == model._edits
+        model.clear_edits()
+        x = torch.randn(2, 6)
+        torch.testing.assert_close(pickle.loads(pickle.dumps(model))(x), seq(x))
+        torch.testing.assert_close(copy.deepcopy(model)(x), seq(x))
 
 
 class TestTraining:
