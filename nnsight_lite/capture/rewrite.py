@@ -74,6 +74,15 @@ def body_syntax_error(exc: SyntaxError, what: str, filename: str, lineno: int):
             "of code: save the values you need with .save() and return after the block "
             "(use tracer.stop() to end the model's forward early)"
         )
+    elif msg.startswith("no binding for nonlocal"):
+        name = msg.split("'")[1] if msg.count("'") >= 2 else "the name"
+        hint = (
+            f"`nonlocal {name}` in a function defined in a `with ...{what}(...)` body finds no "
+            f"variable to bind: the body runs as its own block of code, so its names (and the "
+            f"enclosing function's) are not local variables a nested function can rebind. Keep "
+            f"the value in a mutable object instead ({name} = [0] ... {name}[0] += 1) or pass it "
+            "in and return it"
+        )
     elif "loop" in msg:
         hint = (
             f"`break`/`continue` cannot cross a `with ...{what}(...)` body; finish the block "

@@ -244,6 +244,34 @@ class TestBodySyntax:
         assert text.endswith(f"(test_capture.py, line {info.value.lineno})"), text
         assert len(re.findall(r"line \d+", text)) == 1 and __file__ not in text
 
+    def test_nonlocal_in_a_function_defined_in_the_body(self, model):
+        """`nonlocal` on a body's name (or the enclosing function's) in a function defined in
+        the body cannot compile: the error says why and to use a mutable object; it said only
+        "no binding for nonlocal 'cnt' found", as if the user's code were wrong."""
+        x = torch.randn(2, 6)
+
+        def own():
+            with model.trace(x):
+                cnt = 0
+
+                def bump():
+                    nonlocal cnt
+                    cnt += 1
+
+        def enclosing():
+            n = 0
+            with model.trace(x):
+                def bump():
+                    nonlocal n
+                    n += 1
+
+        for f, name in ((own, "cnt"), (enclosing, "n")):
+            with pytest.raises(BodySyntaxError, match=rf"^`nonlocal {name}` in a function defined "
+                               rf"in a `with \.\.\.trace\(\.\.\.\)` body finds no variable to "
+                               rf"bind: .*mutable object instead \({name} = \[0\] \.\.\. "
+                               rf"{name}\[0\] \+= 1\)"):
+                f()
+
     def test_yield_in_body(self, model):
         x = torch.randn(2, 6)
 
