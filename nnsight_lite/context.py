@@ -29,7 +29,7 @@ from .capture import (
 from .envoy import _saved_stack, save_in_body
 from .errors import BodySyntaxError, NoSourceError
 from .mediator import StopTrace, wait_for_name
-from .tracebacks import clean
+from .tracebacks import clean, note_scope_limits
 
 _PY311 = sys.version_info >= (3, 11)
 
@@ -109,6 +109,8 @@ class BodyContext:
         except BaseException as err:
             __tracebackhide__ = True  # noqa: F841  (pytest and IPython hide this frame)
             clean(err, SkipBody)  # the user's frames only (see tracebacks.py)
+            if frame is not None:
+                note_scope_limits(err, frame)
             if _PY311:
                 raise  # re-raised as it is: no frame of this function is added to it
             raise err  # 3.10's bare raise would put the unfiltered traceback back

@@ -9,6 +9,8 @@
     record_skip(...)       a body skipped a module with a value of another shape than its input
     note_reshaped(exc, r)  an error the model's forward raised after such replacements gets a
                            note naming each (the module path, the invoke, the user's line)
+    note_scope_limits(exc, frame)  a body's error from it not being the caller's code (a bare
+                           super()) gets a note saying what to write
 
 An error in a body travels: the body's frames, the worker greenlet that ran it, the model's
 forward that handed it a value, the interleaver, the ``with`` statement's ``__exit__``. Of
@@ -78,6 +80,21 @@ def clean(exc: BaseException, skip_type) -> None:
         exc.__context__ = None
     if not CONFIG.APP.DEBUG:
         exc.__traceback__ = user_traceback(exc.__traceback__)
+
+
+def note_scope_limits(exc: BaseException, frame) -> None:
+    """Note on ``exc``, raised by a body's own code, where it comes from the body running as
+    its own block of code rather than as lines of ``frame`` (the code around the block):
+    zero-argument ``super()`` (no class or self there)."""
+    if type(exc) is RuntimeError and str(exc) == "super(): no arguments":
+        code = frame.f_code
+        cls = frame.f_locals.get("__class__")
+        first = code.co_varnames[0] if code.co_argcount else "self"
+        written = f"super({cls.__name__}, {first})" if isinstance(cls, type) else \
+            "super(TheClass, self)"
+        _note(exc, "nnsight_lite: a `with` block's body runs as its own block of code, so a "
+              "zero-argument super() there has no class or self to go by: write "
+              f"{written} in the body, or call it before the block.")
 
 
 def _shape_change(old, new, depth: int = 2):

@@ -541,3 +541,36 @@ class TestForwardOperationsInABackwardBlock:
                     model[0].output
         assert "outside an invoke body" not in str(info.value)
         assert _this_file_line(info.value, "in the backward block")
+
+
+class _Base:
+    def scale(self):
+        return 2.0
+
+
+class _Probe(_Base):
+    def run(self, model, x):
+        with model.trace(x):
+            s = super().scale()  # zero-argument super in a body
+            o = (model[0].output * s).save()
+        return o
+
+
+class TestNotesOnABodysOwnCode:
+    """Errors a body's code raises because it runs as its own block of code, not as lines of
+    the function around it, reach the user unchanged with a note saying what to write; they
+    had none."""
+
+    def test_zero_argument_super(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(RuntimeError, match=r"^super\(\): no arguments") as info:
+            _Probe().run(model, torch.randn(2, 6))
+        assert _notes(info.value) == [
+            "nnsight_lite: a `with` block's body runs as its own block of code, so a "
+            "zero-argument super() there has no class or self to go by: write "
+            "super(_Probe, self) in the body, or call it before the block."]
+        assert _this_file_line(info.value, "zero-argument super in a body")
+
+
+def _notes(exc) -> list:
+    return list(getattr(exc, "__notes__", []))
