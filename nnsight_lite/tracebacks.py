@@ -10,7 +10,7 @@
     note_reshaped(exc, r)  an error the model's forward raised after such replacements gets a
                            note naming each (the module path, the invoke, the user's line)
     note_scope_limits(exc, frame)  a body's error from it not being the caller's code (a bare
-                           super()) gets a note saying what to write
+                           super(), ``del`` of a caller's name) gets a note saying what to write
 
 An error in a body travels: the body's frames, the worker greenlet that ran it, the model's
 forward that handed it a value, the interleaver, the ``with`` statement's ``__exit__``. Of
@@ -27,6 +27,7 @@ context ("During handling of the above exception..."); a context the user's own 
 
 from __future__ import annotations
 
+import linecache
 import os
 import types
 
@@ -85,7 +86,7 @@ def clean(exc: BaseException, skip_type) -> None:
 def note_scope_limits(exc: BaseException, frame) -> None:
     """Note on ``exc``, raised by a body's own code, where it comes from the body running as
     its own block of code rather than as lines of ``frame`` (the code around the block):
-    zero-argument ``super()`` (no class or self there)."""
+    zero-argument ``super()`` (no class or self there) and ``del`` of a name of ``frame``."""
     if type(exc) is RuntimeError and str(exc) == "super(): no arguments":
         code = frame.f_code
         cls = frame.f_locals.get("__class__")
@@ -95,6 +96,15 @@ def note_scope_limits(exc: BaseException, frame) -> None:
         _note(exc, "nnsight_lite: a `with` block's body runs as its own block of code, so a "
               "zero-argument super() there has no class or self to go by: write "
               f"{written} in the body, or call it before the block.")
+    elif type(exc) is NameError and getattr(exc, "name", None) in frame.f_locals:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno) if tb else ""
+        if line.lstrip().startswith("del "):
+            _note(exc, f"nnsight_lite: {exc.name!r} is a variable of the code around the `with` "
+                  "block; its body reads it, but runs as its own block of code and cannot "
+                  f"unbind it. Write `del {exc.name}` after the block.")
 
 
 def _shape_change(old, new, depth: int = 2):

@@ -571,6 +571,22 @@ class TestNotesOnABodysOwnCode:
             "super(_Probe, self) in the body, or call it before the block."]
         assert _this_file_line(info.value, "zero-argument super in a body")
 
+    def test_del_of_a_name_of_the_enclosing_function(self, seq):
+        model = NNsight(seq)
+        cache = {"big": torch.zeros(3)}
+        with pytest.raises(NameError, match="'cache'") as info:
+            with model.trace(torch.randn(2, 6)):
+                n = len(cache)  # readable
+                del cache
+        assert _notes(info.value) == [
+            "nnsight_lite: 'cache' is a variable of the code around the `with` block; its body "
+            "reads it, but runs as its own block of code and cannot unbind it. Write "
+            "`del cache` after the block."]
+        with pytest.raises(NameError) as info:
+            with model.trace(torch.randn(2, 6)):
+                undefined_name  # noqa: B018, F821
+        assert _notes(info.value) == []
+
 
 def _notes(exc) -> list:
     return list(getattr(exc, "__notes__", []))
