@@ -76,11 +76,16 @@ def user_traceback(tb):
 
 def clean(exc: BaseException, skip_type) -> None:
     """Give ``exc`` the user's traceback, and drop the with-statement's ``skip_type`` exception
-    from its context."""
-    if isinstance(exc.__context__, skip_type):
-        exc.__context__ = None
-    if not CONFIG.APP.DEBUG:
-        exc.__traceback__ = user_traceback(exc.__traceback__)
+    from its context; the same for the error it was raised from (``raise ... from err``: a
+    torch error the runtime explains keeps torch's frames, without the runtime's own)."""
+    seen = 0
+    while exc is not None and seen < 8:  # (a chain is short; a cycle cannot hold it)
+        if isinstance(exc.__context__, skip_type):
+            exc.__context__ = None
+        if not CONFIG.APP.DEBUG:
+            exc.__traceback__ = user_traceback(exc.__traceback__)
+        exc = exc.__cause__
+        seen += 1
 
 
 def note_scope_limits(exc: BaseException, frame) -> None:
@@ -89,14 +94,14 @@ def note_scope_limits(exc: BaseException, frame) -> None:
     zero-argument ``super()`` (no class or self there) and ``del`` of a name of ``frame``."""
     if type(exc) is RuntimeError and str(exc) == "super(): no arguments":
         code = frame.f_code
-        cls = frame.f_locals.get("__class__")
+        cls = _locals_of(frame).get("__class__")
         first = code.co_varnames[0] if code.co_argcount else "self"
         written = f"super({cls.__name__}, {first})" if isinstance(cls, type) else \
             "super(TheClass, self)"
         _note(exc, "nnsight_lite: a `with` block's body runs as its own block of code, so a "
               "zero-argument super() there has no class or self to go by: write "
               f"{written} in the body, or call it before the block.")
-    elif type(exc) is NameError and getattr(exc, "name", None) in frame.f_locals:
+    elif type(exc) is NameError and getattr(exc, "name", None) in _locals_of(frame):
         tb = exc.__traceback__
         while tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
@@ -105,6 +110,15 @@ def note_scope_limits(exc: BaseException, frame) -> None:
             _note(exc, f"nnsight_lite: {exc.name!r} is a variable of the code around the `with` "
                   "block; its body reads it, but runs as its own block of code and cannot "
                   f"unbind it. Write `del {exc.name}` after the block.")
+
+
+def _locals_of(frame) -> dict:
+    """``frame.f_locals`` copied, its snapshot emptied again (capture.let_go_of_locals)."""
+    from .capture import let_go_of_locals
+
+    names = dict(frame.f_locals)
+    let_go_of_locals(frame)
+    return names
 
 
 def _shape_change(old, new, depth: int = 2):

@@ -125,6 +125,25 @@ class TestBodyErrors:
         assert no_runtime_frames(info.value)
 
 
+    def test_an_error_raised_from_torchs_shows_no_runtime_frames_in_the_chain(self):
+        """A backward block on a graph already freed: the GradientError is raised from torch's
+        own error, which keeps torch's frames but had the with-statement's internal SkipBody
+        as its context and the runtime's frame at its top (both printed before the user's
+        error)."""
+        x = torch.randn(2, 4, requires_grad=True)
+        out = _net()(x).sum()
+        out.backward()
+        with pytest.raises(nnsight_lite.errors.GradientError, match="already freed") as info:
+            with out.backward():
+                g = x.grad.save()  # noqa: F841
+        cause = info.value.__cause__
+        assert isinstance(cause, RuntimeError) and "second time" in str(cause)
+        assert cause.__context__ is None  # (the SkipBody it was raised while handling)
+        assert no_runtime_frames(info.value)
+        assert not any(f.filename.startswith(PACKAGE)
+                       for f in traceback.extract_tb(cause.__traceback__))
+
+
 def _notes(exc) -> list:
     return list(getattr(exc, "__notes__", []))
 
