@@ -31,7 +31,8 @@ from .capture import GRAD_NAME, SET_GRAD_NAME
 from .context import RUNTIME, BodyContext, body_job
 from .batching import merge
 from .errors import GradientError, OutOfOrderError
-from .mediator import _DONE, StopTrace
+from .mediator import _DONE
+from .waits import StopTrace
 from .workers import (
     _FINISHED,
     _getcurrent,

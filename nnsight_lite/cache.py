@@ -26,7 +26,8 @@ import torch
 from . import batching
 from .envoy import Envoy, save
 from .errors import CacheError, ModulePathError, OutsideTraceError
-from .mediator import _MISSING, OUTPUT, backward_block_error, in_backward_block
+from .mediator import _MISSING, OUTPUT
+from .messages import backward_block_error, in_backward_block
 from .workers import _getcurrent, user_location
 
 #: Observers sort after every invoke body in a wait table (bodies are numbered from 0).

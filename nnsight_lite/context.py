@@ -28,8 +28,9 @@ from .capture import (
 )
 from .envoy import _saved_stack, save_in_body
 from .errors import BodySyntaxError, NoSourceError
-from .mediator import StopTrace, wait_for_name
+from .mediator import wait_for_name
 from .tracebacks import clean, note_scope_limits
+from .waits import StopTrace
 
 _PY311 = sys.version_info >= (3, 11)
 

@@ -29,21 +29,13 @@ import torch
 
 from . import batching
 from .capture import IterationEnd
-from .errors import OutsideTraceError
 from .calls import Slot
+from .errors import OutsideTraceError
 from .hooked import ModuleCall, run_for_body
 from .install import _HELD_MAX, put_on, take_off
-from .mediator import (
-    _DONE,
-    _MISSING,
-    INPUT,
-    OUTPUT,
-    BarrierWait,
-    Mediator,
-    NameWait,
-    StopTrace,
-)
+from .mediator import _DONE, _MISSING, INPUT, OUTPUT, Mediator
 from .tracebacks import note_reshaped
+from .waits import BarrierWait, NameWait, StopTrace
 from .workers import (
     _getcurrent,
     attached,

@@ -3,7 +3,8 @@
     Mediator              one per invoke: its worker greenlet, batch rows, pending request
     current_mediator()    the Mediator whose body is running now (or an OutsideTraceError)
     wait_for_name()       a body reading a name an earlier invoke has not bound yet waits for it
-    StopTrace             raised by ``tracer.stop()``; ends the forward, not an error
+    (StopTrace, NameWait and Barrier are in waits.py; the errors a body gets for a value it
+    cannot have, in messages.py)
 
 The body side (``get``/``set``, called from Envoy properties) switches to the parent with a
 request ``(slot, kind, call)``; the parent side (``serve``, called by the interleaver when the
@@ -19,15 +20,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import batching
-from .errors import (
-    InferenceModeSwitchError,
-    InputError,
-    MissedModuleError,
-    NNsightError,
-    OutOfOrderError,
-    OutsideTraceError,
-)
+from .errors import InferenceModeSwitchError, InputError, OutOfOrderError
+from .messages import after_skip_error, late_error, missed_error, no_body_error
 from .tracebacks import record_reshape, record_skip
+from .waits import NameWait, StopTrace
 from .workers import (
     _FINISHED,
     INFERENCE_BIT,
@@ -51,137 +47,6 @@ _CONTAINERS = (dict, list)  # narrowed values whose members a body may set (see 
 _MISSING = object()
 #: ``depth`` > 0 while a trace without inputs runs its body to collect invokes (this thread)
 _collecting = threading.local()
-
-
-def _skipped_above(slot, skipped):
-    """The skipped slot among ``slot``'s ancestors, or None."""
-    while skipped and slot is not None:
-        slot = slot.parent
-        if slot in skipped:
-            return slot
-    return None
-
-
-class StopTrace(BaseException):
-    """Raised by ``tracer.stop()`` to end the forward early. Not an error; never escapes a trace.
-
-    It derives from BaseException so that a model's own ``except Exception`` does not swallow it.
-    ``tracer`` is the Tracer whose forward it ends (None: the innermost), so that ``outer.stop()``
-    in the body of a trace nested in ``outer``'s passes through the inner trace.
-    """
-
-    def __init__(self, tracer=None, where: str = "<unknown>"):
-        super().__init__()
-        self.tracer = tracer
-        self.where = where  # the user's line that called stop()
-
-    def ends(self, tracer) -> bool:
-        """Whether this stop is ``tracer``'s to take."""
-        return self.tracer is None or self.tracer is tracer
-
-
-class NameWait:
-    """A body's request to wait until an earlier invoke binds ``name`` in the shared scope."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str):
-        self.name = name
-
-
-class BarrierWait(NameWait):
-    """A body's wait at a ``tracer.barrier(n)`` until ``n`` bodies have called it this round."""
-
-    __slots__ = ("barrier", "round", "where")
-
-    def __init__(self, barrier: "Barrier", where: str):
-        self.name = None
-        self.barrier = barrier
-        self.round = barrier.round
-        self.where = where
-
-
-class Barrier:
-    """What ``tracer.barrier(n)`` returns: each call from an invoke body waits until ``n``
-    bodies have called it, then all of them go on (and the next call starts a new round).
-
-    Invokes run in order at every module, so an earlier invoke's value reaches a later one by
-    name without it; a barrier matters when a name is rebound round by round::
-
-        b = tracer.barrier(2)
-        with tracer.invoke(clean):
-            for layer in model.model.layers:
-                h = layer.output
-                b()                           # round i: h is layer i's output ...
-        with tracer.invoke(corrupt):
-            for layer in model.model.layers:
-                b()                           # ... here, in the same round
-                layer.output[:] = h
-    """
-
-    def __init__(self, n: int):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise InputError(f"tracer.barrier(n) takes the number of invokes that call it, a "
-                             f"positive int; got {n!r}")
-        self.n = n
-        self.round = 0
-        self.arrived: list = []  # the mediators waiting in this round
-
-    def __call__(self) -> None:
-        med = getattr(_getcurrent(), "mediator", None)
-        if med is None:
-            if in_backward_block():
-                raise backward_block_error(
-                    "tracer.barrier()", "call it in the invoke body, before or after the "
-                    "`with loss.backward():` block")
-            raise OutsideTraceError(
-                f"a tracer.barrier() was called outside an invoke body (at {user_location()}); "
-                "call it inside the `with tracer.invoke(...):` blocks it synchronises")
-        self.arrived.append(med)
-        if len(self.arrived) >= self.n:  # the last to arrive: everyone goes on
-            self.round += 1
-            self.arrived = []
-            return
-        med.parent.switch(BarrierWait(self, user_location()))
-
-    def fillable(self, inter) -> bool:
-        """Whether bodies enough to fill this round may still arrive."""
-        if inter.finished:
-            return False
-        waiting = self.arrived
-        others = sum(1 for m in inter.mediators if not m.done and m not in waiting)
-        return len(waiting) + others >= self.n
-
-    def short_error(self, med: "Mediator", wait: BarrierWait) -> NNsightError:
-        others = [m for m in med.interleaver.mediators if m is not med and not m.done
-                  and isinstance(m.pending, NameWait) and m not in self.arrived]
-        if others:  # the bodies that could come are waiting themselves: a deadlock
-            fix = []
-            if any(isinstance(m.pending, BarrierWait) for m in others):
-                fix.append("call the barriers in the same order in every invoke")
-            if any(not isinstance(m.pending, BarrierWait) for m in others):
-                fix.append("a name another invoke reads before its barrier call must be bound "
-                           "before this invoke's barrier call, not after it")
-            return MissedModuleError(
-                f"{med.label()} waited at tracer.barrier({self.n}) at {wait.where}, but only "
-                f"{len(self.arrived)} invoke body(ies) reached it in this round, and the "
-                f"others are blocked: {'; '.join(_waiting_on(m) for m in others)}. The invokes "
-                f"wait on each other: {' and '.join(fix)}.")
-        return MissedModuleError(
-            f"{med.label()} waited at tracer.barrier({self.n}) at {wait.where}, but only "
-            f"{len(self.arrived)} invoke body(ies) reached it in this round and no other can any "
-            "more (the rest have ended, or the forward is over). Pass tracer.barrier(n) the "
-            "number of invokes that call it, and call it the same number of times in each.")
-
-
-def _waiting_on(med: "Mediator") -> str:
-    """What ``med``, suspended at a name or a barrier, waits for, and where (for messages)."""
-    g = med.greenlet
-    where = user_location(g.gr_frame) if g is not None and g.gr_frame is not None else "<unknown>"
-    req = med.pending
-    if isinstance(req, BarrierWait):
-        return f"{med.label()} waits at another tracer.barrier({req.barrier.n}) at {req.where}"
-    return f"{med.label()} waits at {where} for the name {req.name!r}, which no invoke has bound"
 
 
 def wait_for_name(scope, name: str):
@@ -208,98 +73,8 @@ def current_mediator(envoy=None, what: str = "output", action: str = "read") -> 
     name: ``tracer.next()``); ``action`` is what the body did with it (read, set, called)."""
     med = getattr(_getcurrent(), "mediator", None)
     if med is None:
-        raise _no_body_error(envoy, what, action)
+        raise no_body_error(envoy, what, action)
     return med
-
-
-def in_backward_block() -> bool:
-    """Whether the code running now is the body of a ``with loss.backward():`` block."""
-    return getattr(_getcurrent(), "grads", None) is not None
-
-
-def backward_block_error(what: str, instead: str | None = None) -> OutsideTraceError:
-    """The error for ``what`` (an operation on the model's forward: ``tracer.next()``,
-    ``model[0].skip()``) used inside a ``with loss.backward():`` block."""
-    instead = instead or (f"use {what} in the trace body, before the `with loss.backward():` "
-                          "line")
-    return OutsideTraceError(
-        f"{what} cannot be used inside a `with loss.backward():` block (at {user_location()}): "
-        "the forward is over when backprop runs, and a backward block only reads and sets "
-        f"gradients (.grad). Instead, {instead}."
-    )
-
-
-def _no_body_error(envoy, what: str, action: str) -> OutsideTraceError:
-    """Why ``what`` cannot be used here, where no invoke body is running (the failure path of
-    current_mediator)."""
-    name = f"{envoy._path}.{what}" if envoy is not None else what
-    where = user_location()
-    if getattr(_collecting, "depth", 0):
-        return OutsideTraceError(
-            f"{name} was {action} at {where}, in the body of a trace that was given no inputs. "
-            "Such a body only sets up invokes: use module values inside a `with "
-            "tracer.invoke(...):` block, or pass the inputs to model.trace(...)."
-        )
-    if in_backward_block():
-        if action == "set":
-            return backward_block_error(name, f"set {name} in the trace body, before the "
-                                        "`with loss.backward():` line")
-        if action != "read":
-            return backward_block_error(name)
-        return OutsideTraceError(
-            f"{name} was read inside a `with loss.backward():` block (at {where}). The forward "
-            "is over when backprop runs, so only gradients are readable there: bind "
-            f"`h = {name}` before the backward block and read `h.grad` inside it."
-        )
-    if action == "read":
-        return OutsideTraceError(
-            f"{name} was read outside a trace body (at {where}). Module values exist only while "
-            "the model runs: read them inside `with model.trace(...):` (or a `with "
-            "tracer.invoke(...):` block) and call .save() on what you want to keep."
-        )
-    if action == "set":
-        return OutsideTraceError(
-            f"{name} was set outside a trace body (at {where}). Module values exist only while "
-            "the model runs: set them inside `with model.trace(...):` (or a `with "
-            "tracer.invoke(...):` block), or in `with model.edit(...):` for an edit that every "
-            "trace applies."
-        )
-    return OutsideTraceError(
-        f"{name} was {action} outside a trace body (at {where}); it acts on the model while it "
-        "runs: call it inside `with model.trace(...):` (or a `with tracer.invoke(...):` block)."
-    )
-
-
-def _never_ran(path: str, envoy, kind: str) -> str:
-    """Why ``path`` (a module or an operation) has no call in this forward, and where to look."""
-    from .source import OpEnvoy
-
-    if isinstance(envoy, OpEnvoy):
-        parent = envoy._parent
-        comp = parent._compiled()
-        line = comp.spans[comp.index[envoy._name]][0]
-        return (
-            f"{path} never ran in this forward: the line it is on ({comp.filename}:{line}) "
-            "did not run (a branch the forward did not take, or code after a return). "
-            f"print({parent._path}) shows each operation beside its line: pick one on a line "
-            "that runs"
-        )
-    module = envoy._module if envoy is not None else None
-    if module is not None and type(module).forward is torch.nn.Module.forward:
-        kids = list(module._modules)
-        child = (f"{path}[{kids[0]!r}]" if isinstance(module, torch.nn.ModuleDict) else
-                 f"{path}[-1]" if isinstance(module, torch.nn.ModuleList) else
-                 f"{path}.{kids[0]}") if kids else None
-        return (
-            f"{path} is a {type(module).__name__}, a container that is never called itself "
-            f"(it has no forward), so it has no .{kind} of its own. Read one of the modules it "
-            "holds instead" + (f", e.g. {child}.{kind}" if child else "")
-        )
-    return (
-        f"{path} never ran in this forward: the model's forward does not call it (it may be "
-        "defined but unused, or called on another path). Check print(model) for the module "
-        "that computes the value you want"
-    )
 
 
 class Mediator:
@@ -311,6 +86,10 @@ class Mediator:
                  "loop_ended", "waited")
 
     inline = False  # True: the body runs in the user's own greenlet (nosource.py), never unwound
+    # the errors for a value this body cannot have (messages.py)
+    _after_skip_error = after_skip_error
+    _late_error = late_error
+    missed_error = missed_error
 
     def __init__(self, interleaver: "Interleaver", index: int, run, batch=None, scope=None):
         self.interleaver = interleaver
@@ -527,105 +306,3 @@ class Mediator:
                 raise
         record_skip(self, envoy, value)  # noted on an error it may lead to
         self.skip_value = value
-
-    def _after_skip_error(self, envoy) -> OutOfOrderError:
-        """The error for reading or setting a module's input after ``.skip()`` at that call."""
-        path = envoy._path
-        call = self.iteration
-        return OutOfOrderError(
-            f"{self.label()} used {path}.input (or .inputs) at {user_location()}" + (
-                f" (call {call})" if call else "") + f" after {path}.skip(...) for the same "
-            f"call: a skipped module does not run, so its input is no longer used (and it may "
-            f"be the very tensor given to skip). Read or edit {path}.input before calling "
-            ".skip()."
-        )
-
-    def _late_error(self, envoy, key):
-        slot, kind, call = key
-        where = user_location()
-        what = f"{envoy._path}.{kind}" + (f" (call {call})" if call else "")
-        if self.interleaver.finished:
-            ended = self.loop_ended
-            if ended is not None:
-                return MissedModuleError(
-                    f"{self.label()} asked for {what} at {where}, after the model's forward "
-                    f"had finished: the open step loop before it (tracer.iter[k:] or "
-                    f"tracer.all()) waited for one more call of {ended.label()}, and such a "
-                    "loop ends only when the forward does. Read it inside the loop, at the "
-                    "step it runs in, or give the loop its number of steps "
-                    "(tracer.iter[k:n])."
-                )
-            return MissedModuleError(
-                f"{self.label()} asked for {what} at {where}, after the model's forward "
-                "had already finished. Read module values while the model runs, before the end "
-                "of the body's last model access."
-            )
-        pos = self.interleaver.position
-        now = f" (the forward is now at {pos[0].label()}.{pos[1]}" + (
-            f", call {pos[2]})" if pos[2] else ")") if pos else ""
-        if self.waited is not None:
-            name, line = self.waited
-            return OutOfOrderError(
-                f"{self.label()} asked for {what} at {where}, but {envoy._path} had already "
-                f"run that call{now}: before it, the body waited at {line} for `{name}`, "
-                "which an earlier invoke bound only after that, so the model ran on while it "
-                f"waited. An invoke cannot use at {envoy._path} a value another invoke makes "
-                "later in the same forward (as when it reads later modules): compute "
-                f"`{name}` in a trace of its own first, then use it in a second trace "
-                "(`with model.session():` holds both), or bind it in the earlier invoke "
-                f"before {envoy._path} runs."
-            )
-        if pos and pos[0] is slot and pos[2] > call:  # the same module, at a later call
-            return OutOfOrderError(
-                f"{self.label()} asked for {envoy._path}.{kind} (call {call}) at {where}, but "
-                f"{envoy._path} has already run that call (the forward is now at its call "
-                f"{pos[2]}). A body reads a module's calls in the order the model makes them: "
-                f"read call {call} before a later one" + (
-                    " (after a tracer.iter loop, reads are at call 0 again: read it inside the "
-                    "loop, at its step)" if not call else "") +
-                ", or address the call you want with .next() or tracer.iter[k]."
-            )
-        return OutOfOrderError(
-            f"{self.label()} asked for {what} at {where}, but {envoy._path} has already "
-            f"run that call{now}. A body must read module values in the order the model "
-            "computes them: move this line above the access to the later module, or read it "
-            "in a separate trace."
-        )
-
-    def missed_error(self):
-        if isinstance(self.pending, BarrierWait):
-            return self.pending.barrier.short_error(self, self.pending)
-        if isinstance(self.pending, NameWait):
-            return NameError(f"name {self.pending.name!r} is not defined")
-        slot, kind, call = self.pending
-        envoy = self.pending_envoy
-        path = envoy._path if envoy is not None else slot.label()
-        where = "<unknown>"
-        if self.greenlet is not None and self.greenlet.gr_frame is not None:
-            where = user_location(self.greenlet.gr_frame)
-        what = f"{path}.{kind}" + (f" (call {call})" if call else "")
-        if self.interleaver.stopped_early:
-            reason = (f"tracer.stop() at {self.interleaver.stopped_early} ended the forward "
-                      "before it ran. Read it before the stop, or stop after the last read "
-                      "of every invoke")
-        elif slot.calls == 0 and (above := _skipped_above(slot, self.interleaver.skipped)):
-            reason = (
-                f"{path} is inside {above.label()}, which a body skipped with .skip() in this "
-                "forward, so it never ran. Read it in a trace that does not skip "
-                f"{above.label()}"
-            )
-        elif slot.calls == 0:
-            reason = _never_ran(path, envoy, kind)
-        elif call and not self.iter_depth:
-            reason = (
-                f"{path} ran only {slot.calls} time(s) in this forward, so call {call} never "
-                "happened. After .next() (or tracer.next()) every later read of the body is at "
-                "the next call: read this before the .next(), or step back with "
-                "tracer.next(-1)"
-            )
-        else:
-            reason = (
-                f"{path} ran only {slot.calls} time(s) in this forward, so call {call} never "
-                "happened (check tracer.iter indices)"
-            )
-        return MissedModuleError(f"{self.label()} waited for {what} at {where}, but {reason}.")

@@ -47,8 +47,9 @@ from .backward import (
 )
 from .errors import GradientError, NoSourceError
 from .interleaver import Interleaver
-from .mediator import _DONE, Mediator, StopTrace
+from .mediator import _DONE, Mediator
 from .tracing import _add_edits, _run_fake
+from .waits import StopTrace
 from .workers import _getcurrent, padded, set_tls_state, tls_state, user_location
 
 _ENDED = object()  # what the backward greenlet returns when backprop is over

@@ -14,7 +14,7 @@ from .capture import let_go_of_locals, names_read
 from .context import BodyContext
 from .envoy import Envoy
 from .errors import NNsightError
-from .mediator import StopTrace
+from .waits import StopTrace
 
 
 class Session(BodyContext):

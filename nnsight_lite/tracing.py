@@ -24,19 +24,12 @@ from .capture import Scope
 from .context import RUNTIME, BodyContext, body_job
 from .errors import InputError, InvokeError, NNsightError
 from .interleaver import Interleaver
-from .mediator import (
-    _MISSING,
-    Barrier,
-    StopTrace,
-    _collecting,
-    backward_block_error,
-    current_mediator,
-    in_backward_block,
-    wait_for_name,
-)
+from .mediator import _MISSING, _collecting, current_mediator, wait_for_name
+from .messages import backward_block_error, in_backward_block
 from .remote.hook import take_backend
 from .sessions import _Held
 from .steps import _iterate, _IterIndexer
+from .waits import Barrier, StopTrace
 from .workers import RUNNER, _getcurrent, _take_worker, switch_job, user_location
 
 _CPU = torch.device("cpu")
@@ -137,7 +130,7 @@ class Tracer(BodyContext):
 
     def barrier(self, n: int) -> Barrier:
         """nnsight's cross-invoke barrier: ``b = tracer.barrier(2)``, then each call ``b()`` in
-        an invoke body waits until ``n`` bodies have called it (see mediator.Barrier). An
+        an invoke body waits until ``n`` bodies have called it (see waits.Barrier). An
         invoke reading a name an earlier one has not bound yet waits by itself; the barrier
         is for names rebound round by round (one per layer in a loop)."""
         return Barrier(n)

@@ -1,0 +1,227 @@
+"""The errors a body gets for a value it cannot have: built on the failure path only.
+
+    current_mediator's     no invoke body runs here (outside a trace, in a trace that only sets
+                           up invokes, in a backward block): no_body_error, backward_block_error
+    Mediator's             a module (or operation) that already ran, never ran, ran fewer times,
+                           or an input used after .skip(): late_error, missed_error,
+                           after_skip_error (methods of Mediator)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import MissedModuleError, OutOfOrderError, OutsideTraceError
+from .workers import _getcurrent, user_location
+
+if TYPE_CHECKING:
+    from .mediator import Mediator
+
+
+def skipped_above(slot, skipped):
+    """The skipped slot among ``slot``'s ancestors, or None."""
+    while skipped and slot is not None:
+        slot = slot.parent
+        if slot in skipped:
+            return slot
+    return None
+
+
+
+def in_backward_block() -> bool:
+    """Whether the code running now is the body of a ``with loss.backward():`` block."""
+    return getattr(_getcurrent(), "grads", None) is not None
+
+
+def backward_block_error(what: str, instead: str | None = None) -> OutsideTraceError:
+    """The error for ``what`` (an operation on the model's forward: ``tracer.next()``,
+    ``model[0].skip()``) used inside a ``with loss.backward():`` block."""
+    instead = instead or (f"use {what} in the trace body, before the `with loss.backward():` "
+                          "line")
+    return OutsideTraceError(
+        f"{what} cannot be used inside a `with loss.backward():` block (at {user_location()}): "
+        "the forward is over when backprop runs, and a backward block only reads and sets "
+        f"gradients (.grad). Instead, {instead}."
+    )
+
+
+def no_body_error(envoy, what: str, action: str) -> OutsideTraceError:
+    """Why ``what`` cannot be used here, where no invoke body is running (the failure path of
+    current_mediator)."""
+    from .mediator import _collecting
+
+    name = f"{envoy._path}.{what}" if envoy is not None else what
+    where = user_location()
+    if getattr(_collecting, "depth", 0):
+        return OutsideTraceError(
+            f"{name} was {action} at {where}, in the body of a trace that was given no inputs. "
+            "Such a body only sets up invokes: use module values inside a `with "
+            "tracer.invoke(...):` block, or pass the inputs to model.trace(...)."
+        )
+    if in_backward_block():
+        if action == "set":
+            return backward_block_error(name, f"set {name} in the trace body, before the "
+                                        "`with loss.backward():` line")
+        if action != "read":
+            return backward_block_error(name)
+        return OutsideTraceError(
+            f"{name} was read inside a `with loss.backward():` block (at {where}). The forward "
+            "is over when backprop runs, so only gradients are readable there: bind "
+            f"`h = {name}` before the backward block and read `h.grad` inside it."
+        )
+    if action == "read":
+        return OutsideTraceError(
+            f"{name} was read outside a trace body (at {where}). Module values exist only while "
+            "the model runs: read them inside `with model.trace(...):` (or a `with "
+            "tracer.invoke(...):` block) and call .save() on what you want to keep."
+        )
+    if action == "set":
+        return OutsideTraceError(
+            f"{name} was set outside a trace body (at {where}). Module values exist only while "
+            "the model runs: set them inside `with model.trace(...):` (or a `with "
+            "tracer.invoke(...):` block), or in `with model.edit(...):` for an edit that every "
+            "trace applies."
+        )
+    return OutsideTraceError(
+        f"{name} was {action} outside a trace body (at {where}); it acts on the model while it "
+        "runs: call it inside `with model.trace(...):` (or a `with tracer.invoke(...):` block)."
+    )
+
+
+def never_ran(path: str, envoy, kind: str) -> str:
+    """Why ``path`` (a module or an operation) has no call in this forward, and where to look."""
+    from .source import OpEnvoy
+
+    if isinstance(envoy, OpEnvoy):
+        parent = envoy._parent
+        comp = parent._compiled()
+        line = comp.spans[comp.index[envoy._name]][0]
+        return (
+            f"{path} never ran in this forward: the line it is on ({comp.filename}:{line}) "
+            "did not run (a branch the forward did not take, or code after a return). "
+            f"print({parent._path}) shows each operation beside its line: pick one on a line "
+            "that runs"
+        )
+    module = envoy._module if envoy is not None else None
+    if module is not None and type(module).forward is torch.nn.Module.forward:
+        kids = list(module._modules)
+        child = (f"{path}[{kids[0]!r}]" if isinstance(module, torch.nn.ModuleDict) else
+                 f"{path}[-1]" if isinstance(module, torch.nn.ModuleList) else
+                 f"{path}.{kids[0]}") if kids else None
+        return (
+            f"{path} is a {type(module).__name__}, a container that is never called itself "
+            f"(it has no forward), so it has no .{kind} of its own. Read one of the modules it "
+            "holds instead" + (f", e.g. {child}.{kind}" if child else "")
+        )
+    return (
+        f"{path} never ran in this forward: the model's forward does not call it (it may be "
+        "defined but unused, or called on another path). Check print(model) for the module "
+        "that computes the value you want"
+    )
+
+
+def after_skip_error(self: "Mediator", envoy) -> OutOfOrderError:
+    """The error for reading or setting a module's input after ``.skip()`` at that call."""
+    path = envoy._path
+    call = self.iteration
+    return OutOfOrderError(
+        f"{self.label()} used {path}.input (or .inputs) at {user_location()}" + (
+            f" (call {call})" if call else "") + f" after {path}.skip(...) for the same "
+        f"call: a skipped module does not run, so its input is no longer used (and it may "
+        f"be the very tensor given to skip). Read or edit {path}.input before calling "
+        ".skip()."
+    )
+
+def late_error(self: "Mediator", envoy, key):
+    slot, kind, call = key
+    where = user_location()
+    what = f"{envoy._path}.{kind}" + (f" (call {call})" if call else "")
+    if self.interleaver.finished:
+        ended = self.loop_ended
+        if ended is not None:
+            return MissedModuleError(
+                f"{self.label()} asked for {what} at {where}, after the model's forward "
+                f"had finished: the open step loop before it (tracer.iter[k:] or "
+                f"tracer.all()) waited for one more call of {ended.label()}, and such a "
+                "loop ends only when the forward does. Read it inside the loop, at the "
+                "step it runs in, or give the loop its number of steps "
+                "(tracer.iter[k:n])."
+            )
+        return MissedModuleError(
+            f"{self.label()} asked for {what} at {where}, after the model's forward "
+            "had already finished. Read module values while the model runs, before the end "
+            "of the body's last model access."
+        )
+    pos = self.interleaver.position
+    now = f" (the forward is now at {pos[0].label()}.{pos[1]}" + (
+        f", call {pos[2]})" if pos[2] else ")") if pos else ""
+    if self.waited is not None:
+        name, line = self.waited
+        return OutOfOrderError(
+            f"{self.label()} asked for {what} at {where}, but {envoy._path} had already "
+            f"run that call{now}: before it, the body waited at {line} for `{name}`, "
+            "which an earlier invoke bound only after that, so the model ran on while it "
+            f"waited. An invoke cannot use at {envoy._path} a value another invoke makes "
+            "later in the same forward (as when it reads later modules): compute "
+            f"`{name}` in a trace of its own first, then use it in a second trace "
+            "(`with model.session():` holds both), or bind it in the earlier invoke "
+            f"before {envoy._path} runs."
+        )
+    if pos and pos[0] is slot and pos[2] > call:  # the same module, at a later call
+        return OutOfOrderError(
+            f"{self.label()} asked for {envoy._path}.{kind} (call {call}) at {where}, but "
+            f"{envoy._path} has already run that call (the forward is now at its call "
+            f"{pos[2]}). A body reads a module's calls in the order the model makes them: "
+            f"read call {call} before a later one" + (
+                " (after a tracer.iter loop, reads are at call 0 again: read it inside the "
+                "loop, at its step)" if not call else "") +
+            ", or address the call you want with .next() or tracer.iter[k]."
+        )
+    return OutOfOrderError(
+        f"{self.label()} asked for {what} at {where}, but {envoy._path} has already "
+        f"run that call{now}. A body must read module values in the order the model "
+        "computes them: move this line above the access to the later module, or read it "
+        "in a separate trace."
+    )
+
+def missed_error(self: "Mediator"):
+    from .waits import BarrierWait, NameWait
+
+    if isinstance(self.pending, BarrierWait):
+        return self.pending.barrier.short_error(self, self.pending)
+    if isinstance(self.pending, NameWait):
+        return NameError(f"name {self.pending.name!r} is not defined")
+    slot, kind, call = self.pending
+    envoy = self.pending_envoy
+    path = envoy._path if envoy is not None else slot.label()
+    where = "<unknown>"
+    if self.greenlet is not None and self.greenlet.gr_frame is not None:
+        where = user_location(self.greenlet.gr_frame)
+    what = f"{path}.{kind}" + (f" (call {call})" if call else "")
+    if self.interleaver.stopped_early:
+        reason = (f"tracer.stop() at {self.interleaver.stopped_early} ended the forward "
+                  "before it ran. Read it before the stop, or stop after the last read "
+                  "of every invoke")
+    elif slot.calls == 0 and (above := skipped_above(slot, self.interleaver.skipped)):
+        reason = (
+            f"{path} is inside {above.label()}, which a body skipped with .skip() in this "
+            "forward, so it never ran. Read it in a trace that does not skip "
+            f"{above.label()}"
+        )
+    elif slot.calls == 0:
+        reason = never_ran(path, envoy, kind)
+    elif call and not self.iter_depth:
+        reason = (
+            f"{path} ran only {slot.calls} time(s) in this forward, so call {call} never "
+            "happened. After .next() (or tracer.next()) every later read of the body is at "
+            "the next call: read this before the .next(), or step back with "
+            "tracer.next(-1)"
+        )
+    else:
+        reason = (
+            f"{path} ran only {slot.calls} time(s) in this forward, so call {call} never "
+            "happened (check tracer.iter indices)"
+        )
+    return MissedModuleError(f"{self.label()} waited for {what} at {where}, but {reason}.")
