@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.modules import module as _torch_module
 
-from .errors import NNsightError
 from .mediator import _MISSING
 from .workers import _getcurrent
 
@@ -119,10 +118,7 @@ def _wrapper(slot: Slot, live: _Live):
     def forward(*args, **kwargs):
         inter = live.inter
         if inter is None or _getcurrent() is not inter.runner:
-            # a body calling a module itself (not counted); none of its model's traces runs:
-            # this wrapper is on no module of that model (see _stale_error)
-            if inter is None:
-                raise _stale_error(slot)
+            # a body calling a module itself (not counted), or a call outside the trace
             return slot.orig(*args, **kwargs)
         return _counted(inter, slot, live, args, kwargs)
 
@@ -193,16 +189,27 @@ def _entry(slot: Slot, live: _Live):
     return entry
 
 
-def _stale_error(slot: Slot) -> NNsightError:
-    """The error for a forward wrapper called while no trace of its model runs, so while it is
-    on none of that model's modules: it was copied into another module (``copy.deepcopy`` of
-    the model in a trace body copies each module's instance ``forward`` by reference), or kept
-    from ``module.forward`` during a trace; it would run the original module."""
-    return NNsightError(
-        f"a forward that a trace put on {slot.label()} ({type(slot.module).__name__}) was "
-        "called after that trace ended: it is the forward of a copy made while the trace ran "
-        "(copy.deepcopy of the model or of a module in a trace body copies the trace's "
-        "forward wrappers too), or a `module.forward` kept from inside a trace, and it would "
-        "run the original module with the original's weights. Make copies, and take "
-        "`module.forward`, outside the trace (before or after its with-block)."
-    )
+_module_getstate = torch.nn.Module.__getstate__
+
+
+def _getstate(self):
+    """``torch.nn.Module.__getstate__``, which already leaves out a module's compiled call
+    (the call entry's place), leaving out a running trace's forward wrapper too: a module
+    deep-copied or pickled while a trace of its model runs (``copy.deepcopy`` of a target
+    network in the model's own forward, ``torch.save`` in a body) gets the forward it had
+    before the trace, not the wrapper, which would run the original module."""
+    state = _module_getstate(self)
+    wrapper = state.get("forward")
+    if wrapper is not None and getattr(wrapper, "__wrapped__", None).__class__ is Slot:
+        state = dict(state)
+        prev = wrapper.__wrapped__.prev_forward
+        if prev is _MISSING or prev is _UNSWAPPED:
+            del state["forward"]
+        else:
+            state["forward"] = prev
+    return state
+
+
+if getattr(_module_getstate, "__module__", None) != __name__:  # (once: importlib.reload)
+    _getstate.__wrapped__ = _module_getstate
+    torch.nn.Module.__getstate__ = _getstate
