@@ -61,34 +61,77 @@ def merge(full: Any, part: Any, start: int, size: int, total: int) -> Any:
         for k, p in part.items():
             out[k] = merge(full[k], p, start, size, total) if k in full else p
         return out
+    if type(part) is type(full) and _is_dataclass_object(full):  # field by field
+        return dataclasses.replace(full, **{
+            f.name: merge(getattr(full, f.name), getattr(part, f.name), start, size, total)
+            for f in dataclasses.fields(full) if f.init})
     return part
 
 
-def entries(view: Any):
+def entries(view: Any, depth: int = 3):
     """What a body could replace in its narrowed ``view`` without replacing the view itself:
-    the members of a dict (a model-output object included) or list, else None."""
+    the members of a dict (a model-output object included), list, tuple or dataclass, and
+    those of the containers among them (``depth`` levels), each as ``(member, its entries)``;
+    None where ``view`` is no container."""
     if isinstance(view, dict):
-        return dict(view)
-    if isinstance(view, list):
-        return list(view)
-    return None
+        items = view.items()
+    elif isinstance(view, (list, tuple)):
+        items = enumerate(view)
+    elif _is_dataclass_object(view):
+        items = [(f.name, getattr(view, f.name)) for f in dataclasses.fields(view) if f.init]
+    else:
+        return None
+    if depth <= 1:
+        return {k: (v, None) for k, v in items}
+    return {k: (v, None if v.__class__ is torch.Tensor else entries(v, depth - 1))
+            for k, v in items}
 
 
 def merge_replaced(full: Any, view: Any, before, start: int, size: int, total: int) -> Any:
-    """``full`` with the members the body replaced in its container ``view`` since ``before``
-    (``view["h"] = x``, ``out.logits = x``, ``view[0] = x``) merged back into its rows."""
+    """``full`` with the members the body replaced in its narrowed container ``view`` since
+    ``before`` (``entries(view)``: ``view["h"] = x``, ``out.logits = x``, ``view[0] = x``,
+    ``inputs[1]["mask"] = x``, at any level ``before`` covers) merged back into its rows."""
+    if isinstance(view, (list, tuple)) and (len(view) != len(before) or len(view) != len(full)):
+        return full
+    updates = {}
+    for k, (old, inner) in before.items():
+        now = _member(view, k)
+        if now is not old:
+            updates[k] = merge(_member(full, k), now, start, size, total)
+        elif inner is not None:
+            sub = _member(full, k)
+            new = merge_replaced(sub, now, inner, start, size, total)
+            if new is not sub:
+                updates[k] = new
     if isinstance(view, dict):
-        new = {k: v for k, v in view.items() if before.get(k, _ABSENT) is not v}
-        return merge(full, new, start, size, total) if new else full
-    if len(view) != len(before) or len(view) != len(full):
-        return full
-    new = [i for i, (v, b) in enumerate(zip(view, before)) if v is not b]
-    if not new:
-        return full
-    items = list(full)
-    for i in new:
-        items[i] = merge(full[i], view[i], start, size, total)
-    return _rebuild_sequence(full, items)
+        for k, v in view.items():
+            if k not in before:  # a key the body added
+                updates[k] = merge(full[k], v, start, size, total) if k in full else v
+    return _with_members(full, updates) if updates else full
+
+
+def _member(value, key):
+    return getattr(value, key) if _is_dataclass_object(value) and not isinstance(value, dict) \
+        else value[key]
+
+
+def _with_members(full, updates: dict):
+    """A copy of container ``full`` with the members in ``updates`` replaced."""
+    if isinstance(full, dict):
+        out = _copy_mapping(full)
+        for k, v in updates.items():
+            out[k] = v
+        return out
+    if isinstance(full, (list, tuple)):
+        items = list(full)
+        for k, v in updates.items():
+            items[k] = v
+        return _rebuild_sequence(full, items)
+    return dataclasses.replace(full, **updates)
+
+
+def _is_dataclass_object(value) -> bool:
+    return hasattr(type(value), "__dataclass_fields__") and not isinstance(value, type)
 
 
 _ABSENT = object()

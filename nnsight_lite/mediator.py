@@ -43,7 +43,6 @@ OUTPUT = "output"
 _Tensor = torch.Tensor
 INPUT = "input"
 _DONE = object()
-_CONTAINERS = (dict, list)  # narrowed values whose members a body may set (see serve)
 _MISSING = object()
 #: ``depth`` > 0 while a trace without inputs runs its body to collect invokes (this thread)
 _collecting = threading.local()
@@ -212,8 +211,8 @@ class Mediator:
             view = full
         else:
             view = batching.narrow(full, b[0], b[1], total)
-            if isinstance(view, _CONTAINERS):  # a narrowed copy of a dict or list
-                before = batching.entries(view)
+            if view.__class__ is not _Tensor:  # a narrowed copy of a container (or no
+                before = batching.entries(view)  # container: None)
         self.cur_key = key
         self.cur_value = view
         self.replaced = False

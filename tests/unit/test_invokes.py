@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -579,6 +581,93 @@ class TestMembersSetInOneInvoke:
                 whole = model.output["logits"].save()
         torch.testing.assert_close(whole[:2], torch.ones(2, 2))
         torch.testing.assert_close(whole[2:], net(x1)["logits"])
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class _DataclassBlock(torch.nn.Module):
+    """Returns ``_Out`` (a dataclass); ``extra`` (a keyword) scales its hidden state, and its
+    second output is a tuple ``(h, {"aux": ...})`` when ``nested``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, scale=None):
+        h = self.lin(x)
+        if scale is not None:
+            h = h * scale
+        return _Out(logits=h * 2, hidden=h), (h, {"aux": h + 1})
+
+
+class _DataclassNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sub = _DataclassBlock()
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        out, (h, extra) = self.sub(x, scale=torch.ones(x.shape[0], 1))
+        return self.head(out.logits) + out.hidden.sum(-1, keepdim=True) + extra["aux"][:, :2]
+
+
+@pytest.mark.parametrize("edit", ["attribute", "whole", "skip", "kwarg_item", "nested_item"])
+def test_edits_of_dataclass_and_nested_members_in_one_invoke_of_two(edit):
+    """A module returning a dataclass (and a tuple holding a dict), two invokes, invoke 1
+    edits: an attribute of the dataclass (`out.logits = z`; lost), the whole dataclass or a
+    skip with one (invoke 1's rows replaced the whole batch, so invoke 0 got invoke 1's data),
+    a keyword's item in `.inputs` and an item of a dict inside the output tuple (both lost).
+    Each now changes invoke 1's rows only: both invokes equal plain forwards with the same
+    edit made by a hook on invoke 1's input alone."""
+    torch.manual_seed(0)
+    net = _DataclassNet()
+    model = NNsight(net)
+    x0, x1 = torch.randn(2, 4), torch.randn(3, 4)
+    zeros = torch.zeros(3, 4)
+
+    def plain(x, edited):
+        hook = None
+        if edited and edit == "kwarg_item":
+            hook = net.sub.register_forward_pre_hook(
+                lambda m, a, k: (a, {**k, "scale": torch.full((3, 1), 2.0)}), with_kwargs=True)
+        elif edited:
+            def hook_fn(m, i, o):
+                out, (h, extra) = o
+                if edit == "nested_item":
+                    return out, (h, {"aux": torch.zeros_like(extra["aux"])})
+                return _Out(logits=zeros, hidden=out.hidden), (h, extra)
+            hook = net.sub.register_forward_hook(hook_fn)
+        try:
+            return net(x)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    with model.trace() as tracer:
+        with tracer.invoke(x0):
+            a = model.output.save()
+        with tracer.invoke(x1):
+            if edit == "attribute":
+                model.sub.output[0].logits = zeros
+            elif edit == "whole":
+                out, rest = model.sub.output
+                model.sub.output = (_Out(logits=zeros, hidden=out.hidden), rest)
+            elif edit == "skip":
+                args, kwargs = model.sub.inputs
+                h = net.sub.lin(args[0])
+                model.sub.skip((_Out(logits=zeros, hidden=h), (h, {"aux": h + 1})))
+            elif edit == "kwarg_item":
+                model.sub.inputs[1]["scale"] = torch.full((3, 1), 2.0)
+            else:
+                model.sub.output[1][1]["aux"] = torch.zeros(3, 4)
+            b = model.output.save()
+    torch.testing.assert_close(a, plain(x0, False))
+    torch.testing.assert_close(b, plain(x1, True))
+    assert not torch.allclose(b, plain(x1, False))
 
 
 @pytest.mark.parametrize("stack_kib", [128, 256])
