@@ -38,6 +38,7 @@ from .tracebacks import note_reshaped
 from .waits import BarrierWait, NameWait, StopTrace
 from .workers import (
     _getcurrent,
+    _note,
     attached,
     set_tls_state,
     tls_state,
@@ -56,6 +57,8 @@ class Interleaver:
     reshaped: "tuple | list" = ()
     #: the values still being served while a body's ``envoy(x, hook=True)`` runs (hooked.py)
     calling: tuple = ()
+    #: the first error a body raised into the forward (an ``except`` in the model may catch it)
+    raised = None
     #: how many steps an open ``tracer.iter[k:]`` / ``tracer.all()`` loop has at most (generate:
     #: max_new_tokens), or None where the model's calls alone end it
     steps: "int | None" = None
@@ -180,6 +183,11 @@ class Interleaver:
                         if self.stopped_early is None:  # and the later bodies still start:
                             self.stopped_early = exc.where  # their reads get MissedModuleError
                 output = forward() if self.stopped_early is None else None
+                if self.raised is not None:  # a body's error that the model's code caught
+                    _note(self.raised, "nnsight_lite: the model's own code caught this error "
+                          "(an `except` around the module call that served the body) and went "
+                          "on; it is raised here, where the forward ended")
+                    raise self.raised
             except StopTrace as exc:
                 if exc.tracer is not None and exc.tracer._inter is not self:
                     raise  # an enclosing trace's tracer.stop(), called in a body of this one
@@ -246,6 +254,7 @@ class Interleaver:
         ``run`` runs it again when an interrupt stops it part way)."""
         self._uninstall()
         self._kill_all()
+        self.raised = None  # (its traceback holds the bodies' frames)
 
     def _kill_all(self) -> None:
         """Unwind every body still suspended (its ``finally`` blocks run) and free its worker."""

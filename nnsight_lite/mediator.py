@@ -173,8 +173,13 @@ class Mediator:
             now = tls_state()
             if now != parent_state:
                 set_tls_state(parent_state, now)
-            if isinstance(exc, Exception) and len(self.interleaver.mediators) > 1:
-                _note(exc, self._raised_in())
+            if isinstance(exc, Exception):
+                inter = self.interleaver
+                if len(inter.mediators) > 1:
+                    _note(exc, self._raised_in())
+                if inter.raised is None:  # (raised again if the model's own code catches it)
+                    inter.raised = exc
+                inter = None
             raise
         if self.shared is not None:
             self.publish()

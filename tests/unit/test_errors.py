@@ -367,6 +367,53 @@ class TestUserExceptions:
         torch.testing.assert_close(seq(x), before)
         assert all("forward" not in m.__dict__ for m in seq.modules())
 
+    @pytest.mark.parametrize("invokes", [1, 2])
+    def test_a_body_error_the_models_own_except_catches_still_reaches_the_caller(self,
+                                                                             invokes):
+        """A body's error is raised into the forward at the module call that served it; a
+        model that wraps that call in ``try/except Exception`` (a fallback path) swallowed it:
+        the trace ended with no error, the rest of the body never ran and its names were
+        missing. The error now reaches the with-statement when the forward ends, with a note
+        saying the model caught it; nothing is left behind and the model is exact after."""
+        torch.manual_seed(0)
+
+        class Fallback(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(4, 4)
+                self.b = torch.nn.Linear(4, 4)
+                self.c = torch.nn.Linear(4, 2)
+
+            def forward(self, x):
+                try:
+                    h = self.a(x)
+                except Exception:
+                    h = self.b(x)
+                return self.c(h)
+
+        net = Fallback()
+        model = NNsight(net)
+        x = torch.randn(3, 4)
+        err = ValueError("a bug in my intervention")
+        with pytest.raises(ValueError) as info:
+            if invokes == 1:
+                with model.trace(x):
+                    h = model.a.output
+                    raise err  # user raise
+            else:
+                with model.trace() as tracer:
+                    with tracer.invoke(x):
+                        h = model.a.output
+                        raise err  # user raise
+                    with tracer.invoke(x):
+                        out = model.output.save()
+        assert info.value is err and _this_file_line(info.value, "user raise")
+        assert any("the model's own code caught this error" in n
+                   for n in getattr(info.value, "__notes__", []))
+        with model.trace(x):
+            out = model.output.save()
+        torch.testing.assert_close(out, net(x))
+
     def test_error_in_model_forward(self):
         class Bad(torch.nn.Module):
             def __init__(self):
