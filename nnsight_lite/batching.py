@@ -175,11 +175,30 @@ def _map(value: Any, fn):
 
 
 def batch_size_of(args: tuple, kwargs: dict) -> int:
-    """The batch size of one invoke's inputs: the first dimension of its first tensor."""
+    """The batch size of one invoke's inputs: the first dimension of its first tensor (looked
+    for in dicts, lists and tuples among them too: ``model.trace({"x": x})``)."""
     for x in chain(args, kwargs.values()) if kwargs else args:
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return x.shape[0]
+        if isinstance(x, torch.Tensor):
+            if x.dim() > 0:
+                return x.shape[0]
+        elif isinstance(x, (dict, list, tuple)):
+            inner = _first_rows(x, 3)
+            if inner is not None:
+                return inner
     return 1
+
+
+def _first_rows(value, depth: int):
+    """The first dimension of the first tensor (dim > 0) in container ``value``, or None."""
+    for x in value.values() if isinstance(value, dict) else value:
+        if isinstance(x, torch.Tensor):
+            if x.dim() > 0:
+                return x.shape[0]
+        elif depth > 1 and isinstance(x, (dict, list, tuple)):
+            inner = _first_rows(x, depth - 1)
+            if inner is not None:
+                return inner
+    return None
 
 
 def concat_inputs(inputs: list[tuple[tuple, dict]], sizes: list[int] | None = None
@@ -240,6 +259,16 @@ def _concat_one(values: list, what: str):
             )
         return torch.cat(values, 0)
     first = values[0]
+    if isinstance(first, dict) and first and all(
+            isinstance(v, dict) and v.keys() == first.keys() for v in values):
+        out = _copy_mapping(first)  # (a dict of inputs: each member batched on its own)
+        for k in first:
+            out[k] = _concat_one([v[k] for v in values], f"{what}[{k!r}]")
+        return out
+    if isinstance(first, (list, tuple)) and first and all(
+            type(v) is type(first) and len(v) == len(first) for v in values):
+        return _rebuild_sequence(first, [_concat_one([v[j] for v in values], f"{what}[{j}]")
+                                         for j in range(len(first))])
     for i, v in enumerate(values[1:], 1):
         same = v is first
         if not same:
@@ -249,7 +278,21 @@ def _concat_one(values: list, what: str):
                 same = False
         if not same:
             raise BatchingError(
-                f"{what} is not a tensor and differs between invoke 0 ({first!r}) and invoke {i} "
-                f"({v!r}); a non-batched input must be the same in every invoke"
+                f"{what} is not a tensor and differs between invoke 0 ({_brief(first)}) and "
+                f"invoke {i} ({_brief(v)}); a non-batched input must be the same in every "
+                "invoke (tensors are batched along dim 0, also inside dicts, lists and tuples "
+                "of the same keys or length)"
             )
     return first
+
+
+def _brief(value) -> str:
+    """A short description of an input for messages (no tensor's values)."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {tuple(value.shape)}"
+    if isinstance(value, dict):
+        return f"{type(value).__name__} with keys {list(value)[:8]}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

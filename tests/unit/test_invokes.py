@@ -42,6 +42,46 @@ class TestBatching:
         torch.testing.assert_close(a, seq[1](seq[0](x1)))
         torch.testing.assert_close(b, seq[1](seq[0](x2)))
 
+    @pytest.mark.parametrize("form", ["dict", "tuple"])
+    def test_inputs_in_a_dict_or_tuple_batch_member_by_member(self, form):
+        """Invokes whose input is a dict or a tuple of tensors (a batch dict, an RNN's (x, h0))
+        batch each member along dim 0, as top-level tensors do (it raised BatchingError
+        printing every tensor in full); each invoke reads its own rows and an edit in one
+        stays in its rows. A member that is no tensor and differs raises a short message."""
+        torch.manual_seed(0)
+
+        class Takes(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(4, 3)
+                self.b = torch.nn.Linear(2, 3)
+
+            def forward(self, batch):
+                x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
+                return self.a(x) + self.b(y)
+
+        net = Takes()
+        model = NNsight(net)
+        xs = [torch.randn(2, 4), torch.randn(3, 4)]
+        ys = [torch.randn(2, 2), torch.randn(3, 2)]
+        make = (lambda x, y: {"x": x, "y": y}) if form == "dict" else (lambda x, y: (x, y))
+        with model.trace() as tracer:
+            with tracer.invoke(make(xs[0], ys[0])):
+                a = model.output.save()
+            with tracer.invoke(make(xs[1], ys[1])):
+                model.a.output[:] = 0
+                b = model.output.save()
+        torch.testing.assert_close(a, net(make(xs[0], ys[0])))
+        torch.testing.assert_close(b, net.b(ys[1]))
+        with pytest.raises(BatchingError, match=r"positional input 0\['tag'\] is not a tensor "
+                                                r"and differs between invoke 0 \('a'\) and "
+                                                r"invoke 1 \('b'\)"):
+            with model.trace() as tracer:
+                with tracer.invoke({"x": xs[0], "y": ys[0], "tag": "a"}):
+                    pass
+                with tracer.invoke({"x": xs[1], "y": ys[1], "tag": "b"}):
+                    pass
+
     def test_invokes_opened_by_a_helper_function_in_the_body(self, seq):
         """A function defined in the trace body may open the invokes (one per call)."""
         model = NNsight(seq)
