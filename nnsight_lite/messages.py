@@ -212,6 +212,12 @@ def missed_error(self: "Mediator"):
         )
     elif slot.calls == 0:
         reason = never_ran(path, envoy, kind)
+    elif kind == "output" and slot.outs <= call < slot.calls:
+        reason = (
+            f"{path} began that call and raised before it returned (the model's own code "
+            "caught the error and went on), so it has no output to read. Read its .input, or "
+            "look for what makes it raise by calling it on that input"
+        )
     elif call and not self.iter_depth:
         reason = (
             f"{path} ran only {slot.calls} time(s) in this forward, so call {call} never "

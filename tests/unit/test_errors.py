@@ -414,6 +414,32 @@ class TestUserExceptions:
             out = model.output.save()
         torch.testing.assert_close(out, net(x))
 
+    def test_the_output_of_a_module_that_raised_inside_a_caught_call(self):
+        """A module that raises where the model catches the error has no output: reading it
+        says so (it said the module 'ran only 1 time(s), so call 0 never happened')."""
+        class Flaky(torch.nn.Module):
+            def forward(self, x):
+                raise RuntimeError("no kernel for this input")
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = Flaky()
+                self.b = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                try:
+                    return self.a(x)
+                except RuntimeError:
+                    return self.b(x)
+
+        model = NNsight(Net())
+        with pytest.raises(MissedModuleError, match=r"invoke 0 waited for model.a.output at "
+                           r".*test_errors.py:\d+, but model.a began that call and raised before "
+                           r"it returned \(the model's own code caught the error"):
+            with model.trace(torch.randn(2, 4)):
+                out = model.a.output.save()
+
     def test_error_in_model_forward(self):
         class Bad(torch.nn.Module):
             def __init__(self):
