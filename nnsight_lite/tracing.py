@@ -425,11 +425,25 @@ def _run_fake(inter: Interleaver, model, args, kwargs):
     # error the scan raises says the same)
     log = logging.getLogger("torch._subclasses.fake_tensor")
     disabled, log.disabled = log.disabled, True
+    # a forward's state updates must not stick: a 0-dim buffer changed in place (BatchNorm's
+    # num_batches_tracked, a step counter) is changed for real under fake tensors, and a buffer
+    # the forward rebinds (self.count = self.count + 1) would be left a fake tensor
+    modules = list(model._module.modules())
+    buffers = [(m._buffers, dict(m._buffers)) for m in modules if m._buffers]
+    scalars = [(b, b.clone()) for _, held in buffers for b in held.values()
+               if b is not None and b.dim() == 0]
     try:
         with mode:
             inter.run(lambda: model._run_forward(f_args, f_kwargs))
     finally:
         log.disabled = disabled
+        for table, held in buffers:
+            if len(table) != len(held) or any(table.get(k) is not v for k, v in held.items()):
+                table.clear()
+                table.update(held)
+        with torch.no_grad():
+            for b, value in scalars:
+                b.copy_(value)
 
 
 class Invoker(BodyContext):

@@ -466,6 +466,39 @@ class TestScan:
         assert tuple(logits_shape) == (5, 2)
         assert all(type(n) is int for n in (*shape, *logits_shape))
 
+    def test_scan_leaves_the_models_state_as_it_was(self):
+        """A scan's forward updates no state for real: BatchNorm's num_batches_tracked and a
+        step counter (0-dim buffers changed in place) were incremented, and a buffer the
+        forward rebinds would have been left a fake tensor. Every buffer and parameter equals
+        what it was, and the next real forward equals a plain one."""
+        torch.manual_seed(0)
+
+        class Counting(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv = torch.nn.Conv2d(3, 4, 3)
+                self.bn = torch.nn.BatchNorm2d(4)
+                self.register_buffer("count", torch.zeros(()))
+                self.register_buffer("seen", torch.zeros(()))
+
+            def forward(self, x):
+                self.count += 1
+                self.seen = self.seen + 1
+                return self.bn(self.conv(x))
+
+        net = Counting().train()
+        model = NNsight(net)
+        x = torch.randn(2, 3, 6, 6)
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+        with model.scan(x):
+            shape = nnsight_lite.save(model.bn.output.shape)
+        assert tuple(shape) == (2, 4, 4, 4)
+        after = net.state_dict()
+        assert all(type(v) is torch.Tensor and torch.equal(v, before[k]) for k, v in after.items())
+        twin = Counting().train()
+        twin.load_state_dict(before)
+        torch.testing.assert_close(net(x), twin(x))
+
     def test_a_wrong_shape_in_scan_raises_torchs_error_alone(self, net, caplog):
         """A scan whose input the model cannot take raises torch's shape error, without torch's
         fake-tensor log of the same traceback on stderr and without the skipped body's
