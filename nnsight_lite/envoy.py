@@ -362,7 +362,22 @@ class Envoy:
             raise self._no_such(name) from None
         if getattr(value, "__self__", None) is module and callable(value):
             return self._method(name, value)
+        if isinstance(value, torch.nn.Module):  # a property giving one of the model's modules
+            env = self._envoy_of(value)  # (HF's `base_model`): that module's Envoy
+            if env is not None:
+                return env
         return value
+
+    def _envoy_of(self, module: torch.nn.Module) -> "Envoy | None":
+        """The Envoy of ``module`` in this model's tree (found by identity), or None."""
+        root = self.root
+        for path, m in root.__dict__["_module"].named_modules():
+            if m is module:
+                env = root
+                for part in path.split(".") if path else ():
+                    env = env._sub(part)
+                return env
+        return None
 
     def _sub(self, name: str, path: "str | None" = None) -> "Envoy":
         """The Envoy of the child module ``name`` (cached; also when ``name`` is one of the

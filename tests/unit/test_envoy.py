@@ -588,3 +588,37 @@ def test_a_modules_own_device_and_get_come_first(x8):
         second = named.parts.get.output.save()
     torch.testing.assert_close(first, net.device(x8))
     torch.testing.assert_close(second, net(x8))
+
+
+def test_a_property_giving_one_of_the_models_modules_gives_its_envoy():
+    """A property of a module that returns one of the model's modules (HF's `base_model`, a
+    custom `first`) gives that module's Envoy, so `model.first.output` reads it in a trace
+    (it gave the torch module: AttributeError on `.output`); a property giving a module
+    outside the model still gives the module itself."""
+    torch.manual_seed(0)
+    outside = torch.nn.Linear(4, 4)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)])
+
+        @property
+        def first(self):
+            return self.layers[0]
+
+        @property
+        def stray(self):
+            return outside
+
+        def forward(self, x):
+            return self.layers[1](torch.relu(self.layers[0](x)))
+
+    net = Net()
+    model = NNsight(net)
+    x = torch.randn(3, 4)
+    assert model.first is model.layers[0] and model.first.path == "model.layers.0"
+    assert model.stray is outside
+    with model.trace(x):
+        h = model.first.output.save()
+    torch.testing.assert_close(h, net.layers[0](x))
