@@ -63,8 +63,7 @@ def _keywords_only(call: str, inputs: tuple, kwargs: dict) -> bool:
     or ``inputs_embeds``): they are for the forward (or generate) of the batch its invokes make,
     an ``attention_mask`` too (it replaces the mask of the padded batch; nnsight does so in a
     trace). Tokenizer options there raise InputError."""
-    if kwargs.get("attention_mask", 0) is None:  # (HF's default, no mask: the batch's stays)
-        del kwargs["attention_mask"]
+    prompts.drop_none_mask(kwargs)
     if inputs or not kwargs or not _PROMPT_KWARGS.isdisjoint(kwargs):
         return False
     tok = sorted(k for k in kwargs if k in prompts.TOKENIZER_KWARGS)
@@ -289,8 +288,7 @@ class LanguageModel(NNsight):
         for k, v in kwargs.items():
             (tok if k in prompts.INPUT_KWARGS or k in prompts.TOKENIZER_KWARGS and
              k != "max_length" else gen)[k] = v
-        if tok.get("attention_mask", 0) is None:  # (HF's default: no mask given)
-            del tok["attention_mask"]
+        prompts.drop_none_mask(tok)
         if "attention_mask" in tok and not inputs and tok.keys().isdisjoint(_PROMPT_KWARGS):
             gen["attention_mask"] = tok.pop("attention_mask")  # (the invokes' batch's mask)
         _keywords_only("generate", inputs, tok)  # (tokenizer options without a prompt: raises)

@@ -66,8 +66,7 @@ def prepare(tokenizer, args: tuple, kwargs: dict):
                 ids = ids.unsqueeze(0)
             return (), {"input_ids": ids, "attention_mask": None}, ids.shape[0]
     kwargs = dict(kwargs)
-    if kwargs.get("attention_mask", 0) is None:  # (HF's default: no mask given)
-        del kwargs["attention_mask"]
+    drop_none_mask(kwargs)
     tok_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in TOKENIZER_KWARGS}
     if len(args) > 1:
         raise InputError(
@@ -394,6 +393,13 @@ def _mask_rows(mask, of: torch.Tensor, what: str) -> torch.Tensor:
             f"{tuple(of.shape)}; the mask must be (batch, positions) = {tuple(of.shape[:2])}"
         )
     return mask
+
+
+def drop_none_mask(kwargs: dict) -> None:
+    """Take ``attention_mask=None`` out of ``kwargs``: HF's default, no mask given (code that
+    passes an optional mask on gives it), so the tokenizer's or the batch's mask stays."""
+    if kwargs.get("attention_mask", 0) is None:
+        del kwargs["attention_mask"]
 
 
 def _as_ids(x, what: str) -> torch.Tensor:
