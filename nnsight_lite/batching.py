@@ -167,7 +167,7 @@ def _map(value: Any, fn):
         for k in list(out.keys()):
             out[k] = fn(value[k])
         return out
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    if _is_dataclass_object(value):
         return dataclasses.replace(
             value, **{f.name: fn(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
         )
@@ -177,25 +177,19 @@ def _map(value: Any, fn):
 def batch_size_of(args: tuple, kwargs: dict) -> int:
     """The batch size of one invoke's inputs: the first dimension of its first tensor (looked
     for in dicts, lists and tuples among them too: ``model.trace({"x": x})``)."""
-    for x in chain(args, kwargs.values()) if kwargs else args:
-        if isinstance(x, torch.Tensor):
-            if x.dim() > 0:
-                return x.shape[0]
-        elif isinstance(x, (dict, list, tuple)):
-            inner = _first_rows(x, 3)
-            if inner is not None:
-                return inner
-    return 1
+    rows = _first_rows(chain(args, kwargs.values()) if kwargs else args, 4)
+    return 1 if rows is None else rows
 
 
-def _first_rows(value, depth: int):
-    """The first dimension of the first tensor (dim > 0) in container ``value``, or None."""
-    for x in value.values() if isinstance(value, dict) else value:
+def _first_rows(values, depth: int):
+    """The first dimension of the first tensor (dim > 0) among ``values`` and the dicts, lists
+    and tuples among them (``depth`` levels in all), or None."""
+    for x in values:
         if isinstance(x, torch.Tensor):
             if x.dim() > 0:
                 return x.shape[0]
         elif depth > 1 and isinstance(x, (dict, list, tuple)):
-            inner = _first_rows(x, depth - 1)
+            inner = _first_rows(x.values() if isinstance(x, dict) else x, depth - 1)
             if inner is not None:
                 return inner
     return None
