@@ -108,6 +108,13 @@ class _Live:
 
 
 
+def traced_slot(forward) -> "Slot | None":
+    """The Slot that ``forward``, a trace's forward wrapper (or call entry), counts for; None
+    for any other callable (or None)."""
+    slot = getattr(forward, "__wrapped__", None)
+    return slot if isinstance(slot, Slot) else None
+
+
 def _wrapper(slot: Slot, live: _Live):
     """The ``forward`` installed on ``slot.module`` while a trace of its model runs. It counts
     the calls that do not come through the module's call entry (see _entry): calls of a module
@@ -199,10 +206,10 @@ def _getstate(self):
     network in the model's own forward, ``torch.save`` in a body) gets the forward it had
     before the trace, not the wrapper, which would run the original module."""
     state = _module_getstate(self)
-    wrapper = state.get("forward")
-    if wrapper is not None and getattr(wrapper, "__wrapped__", None).__class__ is Slot:
+    slot = traced_slot(state.get("forward"))
+    if slot is not None:
         state = dict(state)
-        prev = wrapper.__wrapped__.prev_forward
+        prev = slot.prev_forward
         if prev is _MISSING or prev is _UNSWAPPED:
             del state["forward"]
         else:

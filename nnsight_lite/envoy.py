@@ -373,10 +373,7 @@ class Envoy:
         root = self.root
         for path, m in root.__dict__["_module"].named_modules():
             if m is module:
-                env = root
-                for part in path.split(".") if path else ():
-                    env = env._sub(part)
-                return env
+                return root._get_path(path)
         return None
 
     def _sub(self, name: str, path: "str | None" = None) -> "Envoy":

@@ -20,7 +20,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .calls import _CALL_IMPL, _ENTRY, _HAS_ENTRY, _UNSWAPPED, Slot, _entry, _Live, _wrapper
+from .calls import (
+    _CALL_IMPL,
+    _ENTRY,
+    _HAS_ENTRY,
+    _UNSWAPPED,
+    Slot,
+    _entry,
+    _Live,
+    _wrapper,
+    traced_slot,
+)
 from .errors import NNsightError
 from .mediator import _MISSING
 
@@ -250,8 +260,8 @@ def _check_not_shared(inter: "Interleaver", slot: Slot, prev) -> None:
     """Refuse a module whose ``forward`` is another thread's running trace's wrapper: a
     module shared by two models (``NNsight(net)`` and ``NNsight(net[0])``), traced in two
     threads at once. (Nested traces in one thread take their turns and may share.)"""
-    owner = getattr(prev, "__wrapped__", None)
-    other = owner.live.inter if owner.__class__ is Slot else None
+    owner = traced_slot(prev)
+    other = owner.live.inter if owner is not None else None
     if other is not None and other.thread != inter.thread:
         raise NNsightError(
             f"{slot.label()} ({type(slot.module).__name__}) is also part of "

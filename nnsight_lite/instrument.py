@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from .calls import Slot
+from .calls import traced_slot
 from .errors import SourceUnavailableError
 from .opnames import numbered_like_08
 
@@ -268,8 +268,8 @@ def _accelerate_body(module: torch.nn.Module, forward):
 def _module_function(module: torch.nn.Module):
     """The function a module's forward runs (an instance ``forward`` if one is set)."""
     forward = module.forward
-    wrapped = getattr(forward, "__wrapped__", None)
-    if isinstance(wrapped, Slot):  # the trace's counting wrapper
+    wrapped = traced_slot(forward)
+    if wrapped is not None:  # the trace's counting wrapper
         forward = wrapped.orig
     forward = _accelerate_body(module, forward) or forward
     func, _ = _function_of(forward)

@@ -29,7 +29,7 @@ import torch
 
 from . import batching
 from .capture import IterationEnd
-from .calls import Slot
+from .calls import Slot, traced_slot
 from .errors import OutsideTraceError
 from .hooked import ModuleCall, run_for_body
 from .install import _HELD_MAX, put_on, take_off
@@ -121,8 +121,8 @@ class Interleaver:
         head = (f"{envoy._path} is not part of the model being traced here (at "
                 f"{user_location()}): a body reads the values of the model of the innermost "
                 "trace it is written in. ")
-        wrapped = getattr(envoy._module.__dict__.get("forward"), "__wrapped__", None)
-        if isinstance(wrapped, Slot) and wrapped.live.inter is not None:  # its trace is open
+        wrapped = traced_slot(envoy._module.__dict__.get("forward"))
+        if wrapped is not None and wrapped.live.inter is not None:  # its trace is open
             return head + (
                 "A trace of that model is open around this one: read its values in that "
                 "trace's body, outside this inner `with` block (a name bound there can be used "
@@ -178,7 +178,7 @@ class Interleaver:
                     try:
                         med.start(saved)  # (each start puts the state back as it found it)
                     except StopTrace as exc:  # a stop before the forward: it does not run,
-                        if exc.tracer is not None and exc.tracer._inter is not self:
+                        if not self._stops(exc):
                             raise  # (an enclosing trace's tracer.stop(): it ends that one)
                         if self.stopped_early is None:  # and the later bodies still start:
                             self.stopped_early = exc.where  # their reads get MissedModuleError
@@ -189,7 +189,7 @@ class Interleaver:
                           "on; it is raised here, where the forward ended")
                     raise self.raised
             except StopTrace as exc:
-                if exc.tracer is not None and exc.tracer._inter is not self:
+                if not self._stops(exc):
                     raise  # an enclosing trace's tracer.stop(), called in a body of this one
                 self.stopped_early = exc.where
                 output = None
@@ -212,6 +212,10 @@ class Interleaver:
             now = tls_state()
             if now != saved:
                 set_tls_state(saved, now)
+
+    def _stops(self, exc: StopTrace) -> bool:
+        """Whether ``exc``, a ``tracer.stop()``, ends this trace's forward."""
+        return exc.tracer is None or exc.tracer._inter is self
 
     def _finish(self) -> None:
         """The forward is over: every body still waiting gets an error (or ends its iter loop)."""

@@ -179,7 +179,7 @@ class Mediator:
                     _note(exc, self._raised_in())
                 if inter.raised is None:  # (raised again if the model's own code catches it)
                     inter.raised = exc
-                inter = None
+                inter = None  # (exc's traceback holds this frame: no cycle through it)
             raise
         if self.shared is not None:
             self.publish()

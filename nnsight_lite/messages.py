@@ -29,7 +29,6 @@ def skipped_above(slot, skipped):
     return None
 
 
-
 def in_backward_block() -> bool:
     """Whether the code running now is the body of a ``with loss.backward():`` block."""
     return getattr(_getcurrent(), "grads", None) is not None

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from . import backward  # (registers grad/set_grad in RUNTIME, patches backward)
+from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patches backward)
 from .capture import Scope
 from .context import RUNTIME, BodyContext, body_job
 from .errors import InputError, InvokeError, NNsightError
@@ -113,7 +113,7 @@ class Tracer(BodyContext):
                 "before any invoke ran. Call tracer.stop() inside an invoke's body, after the "
                 "reads it should come after."
             )
-        if self._inter is None and backward._current_backward() is None:  # (in a backward
+        if self._inter is None and not in_backward_block():  # (in a backward
             raise NNsightError(  # block it ends that backward, whichever tracer says so)
                 f"tracer.stop() at {where} was called on a trace that is not running (its "
                 "block has ended, or not begun): it has no forward to end. Call stop() inside "
@@ -428,8 +428,7 @@ def _run_fake(inter: Interleaver, model, args, kwargs):
     # a forward's state updates must not stick: a 0-dim buffer changed in place (BatchNorm's
     # num_batches_tracked, a step counter) is changed for real under fake tensors, and a buffer
     # the forward rebinds (self.count = self.count + 1) would be left a fake tensor
-    modules = list(model._module.modules())
-    buffers = [(m._buffers, dict(m._buffers)) for m in modules if m._buffers]
+    buffers = [(m._buffers, dict(m._buffers)) for m in model._module.modules() if m._buffers]
     scalars = [(b, b.clone()) for _, held in buffers for b in held.values()
                if b is not None and b.dim() == 0]
     try:
