@@ -14,6 +14,7 @@ modules at a trace's start and takes them off at its end. They reach the running
 from __future__ import annotations
 
 import re
+from threading import get_ident
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,7 +51,7 @@ class Slot:
     """
 
     __slots__ = ("module", "parent", "attr", "n_in", "n_out", "gen", "live", "wait_in",
-                 "wait_out", "prev_forward", "orig", "entered")
+                 "wait_out", "prev_forward", "orig", "entered", "elsewhere")
 
     def __init__(self, module, parent, attr, live):
         self.module = module
@@ -65,6 +66,7 @@ class Slot:
         self.n_out = 0  # calls that have produced their output
         self.wait_in = {}
         self.wait_out = {}
+        self.elsewhere = -1  # the serial of the last trace that saw it called on another thread
 
     @property
     def calls(self) -> int:
@@ -125,7 +127,11 @@ def _wrapper(slot: Slot, live: _Live):
     def forward(*args, **kwargs):
         inter = live.inter
         if inter is None or _getcurrent() is not inter.runner:
-            # a body calling a module itself (not counted), or a call outside the trace
+            # a body calling a module itself (not counted), or a call outside the trace: on
+            # another thread (a thread pool in the forward), noted for the error of a body
+            # that waits for it in vain
+            if inter is not None and inter.thread != get_ident():
+                slot.elsewhere = live.serial
             return slot.orig(*args, **kwargs)
         return _counted(inter, slot, live, args, kwargs)
 

@@ -209,6 +209,13 @@ def missed_error(self: "Mediator"):
             "forward, so it never ran. Read it in a trace that does not skip "
             f"{above.label()}"
         )
+    elif slot.calls == 0 and slot.elsewhere == slot.live.serial:
+        reason = (
+            f"{path} ran only on another thread (the forward handed it to a thread pool or "
+            "a worker thread), and a trace counts and serves only the calls made on the "
+            "thread that runs the forward. Read the module that hands the work over (its "
+            ".input or .output), or make the model call it directly while you trace it"
+        )
     elif slot.calls == 0:
         reason = never_ran(path, envoy, kind)
     elif kind == "output" and slot.outs <= call < slot.calls:

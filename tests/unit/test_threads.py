@@ -122,3 +122,43 @@ def test_two_models_sharing_modules_in_two_threads_are_refused():
     with b.trace(x):
         h = b[1].output.save()
     torch.testing.assert_close(h, shared(x))
+
+
+def test_a_module_the_forward_runs_on_a_worker_thread_is_named_so():
+    """A forward that hands a submodule to a thread pool: the trace counts only the calls on
+    the thread that runs the forward, so a body waiting for that submodule cannot be served.
+    The error says it ran on another thread (it said the forward never calls it), the model's
+    result is still the plain forward's, and the module next to it is read as usual."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nnsight_lite import MissedModuleError
+
+    class Pooled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+            self.pool = ThreadPoolExecutor(1)
+
+        def forward(self, x):
+            return self.b(self.pool.submit(self.a, x).result())
+
+    net = Pooled()
+    model = NNsight(net)
+    x = torch.randn(2, 4)
+    try:
+        with pytest.raises(MissedModuleError, match=r"model\.a ran only on another thread"):
+            with model.trace(x):
+                h = model.a.output.save()
+        with model.trace(x):
+            hb = model.b.input.save()
+            out = model.output.save()
+        torch.testing.assert_close(hb, net.a(x))
+        torch.testing.assert_close(out, net(x))
+        # a module that simply never runs keeps its own message
+        net.c = torch.nn.Linear(4, 4)
+        with pytest.raises(MissedModuleError, match="does not call it"):
+            with model.trace(x):
+                hc = model.c.output.save()
+    finally:
+        net.pool.shutdown()
