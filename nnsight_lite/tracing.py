@@ -208,7 +208,7 @@ class Tracer(BodyContext):
         Call it in the body before any ``.output``/``.input`` access; inside an invoke it
         records that invoke's rows. ``device`` (CPU unless None), ``dtype`` and ``detach``
         apply to what is stored; ``include_inputs=True`` adds ``.inputs``/``.input``. Returns a
-        :class:`~nnsight_lite.cache.CacheView`, already saved. See ``nnsight_lite/cache.py``.
+        :class:`~nnsight_lite.cache_view.CacheView`, already saved. See ``nnsight_lite/cache.py``.
         """
         from .cache import open_cache
 

@@ -1,0 +1,315 @@
+"""What ``tracer.cache(...)`` gives back (the recording side is cache.py).
+
+    CacheView   the mapping users get: ``cache["model.layer1"].output``, ``cache.layer1.output``,
+                ``cache.keys()`` in reached order
+    Entry       one module's record: ``.output``, ``.inputs``, ``.input``, ``len()``, and its
+                submodules' entries (``e["fc"]``)
+    _Node       a place in the model tree reached by attribute from a view (``cache.h[0]``)
+
+Both pickle without the model (a view loaded from a pickle answers by path only).
+"""
+
+from __future__ import annotations
+
+import difflib
+import weakref
+from collections.abc import Mapping
+
+from .envoy import Envoy
+from .mediator import _MISSING
+
+
+def _key(name: str) -> str:
+    """A cache key: ``named_modules()`` path with ``model`` in front."""
+    return "model." + name if name else "model"
+
+
+def _has_key(self, key) -> bool:
+    """``key in`` a view or an entry: whether indexing it by that (string) key finds an entry."""
+    if not isinstance(key, str):
+        return False
+    try:
+        self[key]
+    except KeyError:
+        return False
+    return True
+
+
+class Entry:
+    """What a cache recorded for one module.
+
+    Example::
+
+        with model.trace(x) as tracer:
+            cache = tracer.cache(include_inputs=True)
+        e = cache["model.layer1"]
+        e.output, e.inputs, e.input, len(e)     # value, (args, kwargs), first argument, visits
+        e.keys()                                # its subtree's keys: ["model.layer1.fc", ...]
+        e["fc"].output                          # a submodule's entry, by relative key
+
+    With one visit (one forward) each attribute is the value itself; with several (a module
+    called more than once, generation steps) it is a list with one value per visit.
+    """
+
+    __slots__ = ("_module", "_outputs", "_inputs", "_view", "_name")
+
+    def __init__(self, module):
+        self._module = module
+        self._outputs = []
+        self._inputs = []
+        self._view = None  # a weak reference to the view that last gave it out, and its
+        self._name = None  # path there: set by CacheView.__getitem__
+
+    # ---- the module's subtree (nnsight's cache[key] is a view of it)
+
+    def keys(self) -> list:
+        """The cache keys of this module and the modules inside it, in the order the run
+        reached them (each submodule's before this module's own, as in the whole view)."""
+        records, name = self._records()
+        return [_key(n) for n in records if _within(n, name)]
+
+    __contains__ = _has_key
+
+    def __getitem__(self, key) -> "Entry":
+        """A submodule's entry by its key relative to this module (``e["fc"]``,
+        ``e["0.mlp"]``) or by its full cache key (``e["model.layer1.fc"]``)."""
+        if not isinstance(key, str):
+            raise TypeError(
+                f"cache entries are indexed by a module's key (a string such as \"0\" or "
+                f"\"model.layer1.0\"), not {type(key).__name__}")
+        records, name = self._records()
+        full = key[len("model."):] if key.startswith("model.") else ("" if key == "model"
+                                                                      else None)
+        # relative first: below an HF causal LM's root, "model" is its child `model`
+        for n in (f"{name}.{key}" if name else key,) + ((full,) if full is not None else ()):
+            if _within(n, name) and n in records:
+                return self._view().__getitem__(_key(n))
+        raise KeyError(f"{key!r} is not a module inside {_key(name)} in this cache; its keys: "
+                       f"{', '.join(self.keys()[:8])}")
+
+    def _records(self):
+        view = self._view() if self._view is not None else None
+        if view is None:
+            raise TypeError(
+                "this cache entry is not part of a live cache view (the view was dropped, or "
+                "the entry was pickled on its own), so it cannot reach its submodules; keep "
+                "the view and take the entry from it (cache[\"model.layer1\"])")
+        return view._records, self._name
+
+    @property
+    def output(self):
+        """The module's output (a list of them when it ran more than once)."""
+        return _unwrap(self._outputs)
+
+    @property
+    def inputs(self):
+        """``(args, kwargs)`` of the call (a list of them when it ran more than once); None
+        unless the cache was opened with ``include_inputs=True``."""
+        return _unwrap(self._inputs)
+
+    @property
+    def input(self):
+        """The first argument (or first keyword value) of the call; a list when it ran more
+        than once; None unless ``include_inputs=True``."""
+        firsts = [_first(args, kwargs) for args, kwargs in self._inputs]
+        return _unwrap(firsts)
+
+    def __len__(self) -> int:
+        return max(len(self._outputs), len(self._inputs))
+
+    def __repr__(self) -> str:
+        return f"<cache entry: {type(self._module).__name__}, {len(self)} visit(s)>"
+
+    def __getstate__(self):
+        return {"_outputs": self._outputs, "_inputs": self._inputs}
+
+    def __setstate__(self, state):
+        self._module = None
+        self._outputs = state["_outputs"]
+        self._inputs = state["_inputs"]
+        self._view = self._name = None
+
+
+def _within(name: str, root: str) -> bool:
+    """Whether the module at path ``name`` is the one at ``root`` or inside it."""
+    return not root or name == root or name.startswith(root + ".")
+
+
+def _unwrap(values: list):
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else list(values)
+
+
+def _first(args, kwargs):
+    if args:
+        return args[0]
+    if kwargs:
+        return next(iter(kwargs.values()))
+    return None
+
+
+class CacheView(Mapping):
+    """What ``tracer.cache(...)`` returns: module path → :class:`Entry`, in the order the run
+    reached the modules. Already saved: it exists after the trace without ``.save()``.
+
+    Example::
+
+        with model.trace(x) as tracer:
+            cache = tracer.cache()                      # every module's output
+        cache["model.layer1"].output                    # by path (named_modules() + "model.")
+        cache.layer1.output                             # by attribute, as on the model
+        cache.model.layer1.output                       # the same, from the root
+        list(cache.keys())                              # ["model.layer1", ..., "model"]
+
+    Navigation goes through the model's Envoys, so whatever name reaches a module on the model
+    reaches its entry here. It needs the model: a view loaded from a pickle answers by path only.
+    """
+
+    def __init__(self, model: Envoy | None):
+        self._root = model
+        self._records: dict[str, Entry] = {}  # named_modules() path -> Entry
+        self._include_inputs = False
+
+    # ---- mapping by path
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            name = key[len("model."):] if key.startswith("model.") else (
+                "" if key == "model" else _MISSING)
+            if name is not _MISSING and name in self._records:
+                return self._give(name)
+            raise KeyError(self._missing(key))
+        return _Node(self, self._need_root(), None)[key]  # cache[0]: as model[0] (Sequential)
+
+    def __iter__(self):
+        return (_key(n) for n in self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    __contains__ = _has_key
+
+    def _give(self, name: str) -> Entry:
+        """The entry at path ``name``, knowing this view and its path (for its ``keys()``)."""
+        entry = self._records[name]
+        if entry._view is None or entry._view() is not self:
+            entry._view = weakref.ref(self)  # (weak: the view holds its entries)
+            entry._name = name
+        return entry
+
+    def _missing(self, key) -> str:
+        keys = list(self)
+        near = difflib.get_close_matches(str(key), keys, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+        return (f"{key!r} is not in this cache{hint} (it holds the {len(keys)} module(s) the "
+                "run reached among those asked for; keys look like \"model.layer1\")")
+
+    # ---- navigation by attribute
+
+    def __getattr__(self, name: str):
+        if name == "_cache":  # nnsight re-attaches a loaded view with `view._cache.model = model`
+            raise AttributeError(
+                "a CacheView has no `_cache`: re-attach the model to a loaded view with "
+                "`view._root = model`")
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Node(self, self._need_root(), None).__getattr__(name, from_root=True)
+
+    def _need_root(self) -> Envoy:
+        if self._root is None:
+            raise AttributeError(
+                "this cache was loaded without its model, so attribute navigation cannot work; "
+                "index it by path (cache[\"model.layer1\"]) or set cache._root = model"
+            )
+        return self._root
+
+    def _entry_for(self, envoy: Envoy) -> Entry:
+        module = envoy._module
+        for name, entry in self._records.items():
+            if entry._module is module:
+                return self._give(name)
+        # a view loaded from a pickle knows its entries by path only
+        for name, mod in self._root._module.named_modules():
+            if mod is module:
+                entry = self._records.get(name)
+                if entry is not None and entry._module is None:
+                    return self._give(name)
+                break
+        raise AttributeError(
+            f"{envoy._path} is not in this cache: the run did not reach it, or it was not "
+            "among the modules= asked for"
+        )
+
+    def __repr__(self) -> str:
+        return f"<CacheView of {len(self)} module(s): {', '.join(list(self)[:6])}" + (
+            ", ...>" if len(self) > 6 else ">")
+
+    def __getstate__(self):
+        return {"_records": self._records, "_include_inputs": self._include_inputs}
+
+    def __setstate__(self, state):
+        self._root = None
+        self._records = state["_records"]
+        self._include_inputs = state["_include_inputs"]
+        for name in self._records:  # (its entries reach their subtrees through it again)
+            self._give(name)
+
+
+class _Node:
+    """A place in the model tree reached from a cache: ``cache.transformer.h[0]``."""
+
+    __slots__ = ("_view", "_envoy", "_alt")
+
+    def __init__(self, view: CacheView, envoy: Envoy, alt: Envoy | None):
+        self._view = view
+        self._envoy = envoy
+        self._alt = alt  # the root, when ``cache.model`` reached a child named "model"
+
+    def __getattr__(self, name: str, from_root: bool = False):
+        if name in ("output", "inputs", "input"):
+            return getattr(self._view._entry_for(self._envoy), name)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        envoy = self._envoy
+        if from_root and name == "model":  # `cache.model...`: the root, as in the keys
+            child = _child(envoy, name)
+            return _Node(self._view, child if child is not None else envoy,
+                         envoy if child is not None else None)
+        child = _child(envoy, name)
+        if child is None and self._alt is not None:
+            child = _child(self._alt, name)
+        if child is None:
+            raise AttributeError(
+                f"{envoy._path} has no submodule {name!r} to look up in the cache; "
+                f"cache keys: {', '.join(list(self._view)[:8])}"
+            )
+        return _Node(self._view, child, None)
+
+    def __getitem__(self, key):
+        child = self._envoy[key]
+        if not isinstance(child, Envoy):
+            raise TypeError(f"{self._envoy._path}[{key!r}] is not a module")
+        return _Node(self._view, child, None)
+
+    def __len__(self) -> int:
+        return len(self._view._entry_for(self._envoy))
+
+    def keys(self) -> list:
+        """The cache keys of this module's subtree (see :meth:`Entry.keys`)."""
+        return self._view._entry_for(self._envoy).keys()
+
+    def __repr__(self) -> str:
+        return f"<cache node {self._envoy._path}>"
+
+
+def _child(envoy: Envoy, name: str):
+    """The child Envoy ``envoy.<name>`` (aliases included), or None if it is not a module."""
+    try:
+        got = envoy._reach(name)
+    except AttributeError:
+        return None
+    return got if isinstance(got, Envoy) else None
+
+
+__all__ = ["CacheView", "Entry"]
