@@ -149,13 +149,22 @@ def _rebuild_sequence(like, items):
 
 
 def _copy_mapping(d):
+    """A shallow copy of the mapping ``d`` of the same type where it can be made: a model-output
+    dataclass with required fields (HF ``GenerateDecoderOnlyOutput``'s ``sequences``) is built
+    from its fields, so a body's rows of it keep its attributes (``out.sequences``)."""
     try:
         out = d.__class__()
-        for k, v in d.items():
-            out[k] = v
-        return out
     except TypeError:
-        return dict(d)
+        if not dataclasses.is_dataclass(d):
+            return dict(d)
+        try:
+            out = d.__class__(**{f.name: getattr(d, f.name, None)
+                                 for f in dataclasses.fields(d) if f.init})
+        except (TypeError, ValueError):
+            return dict(d)
+    for k, v in d.items():
+        out[k] = v
+    return out
 
 
 def _map(value: Any, fn):

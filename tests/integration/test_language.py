@@ -820,6 +820,21 @@ class TestGenerate:
         assert not grad_on  # (the body's own mode: HF generate's)
         assert torch.is_grad_enabled()  # (and the caller's is as it was)
 
+    def test_invokes_read_a_dict_generate_output_as_its_own_type(self, lm, hf):
+        """``return_dict_in_generate=True``: each invoke's ``model.generator.output`` is a
+        ``GenerateDecoderOnlyOutput`` of its rows (``.sequences``, ``.scores``), as HF's is."""
+        kw = dict(output_scores=True, return_dict_in_generate=True)
+        with lm.generate(max_new_tokens=3, do_sample=False, **kw) as tracer:
+            with tracer.invoke(PROMPTS[1]):
+                a = lm.generator.output.save()
+            with tracer.invoke(PROMPTS[2]):
+                b = lm.generator.output.save()
+        plain = plain_generate(hf, tokenize(lm, PROMPTS[1:]), 3, **kw)
+        assert type(a) is type(plain) and type(b) is type(plain)
+        assert torch.equal(torch.cat([a.sequences, b.sequences]), plain.sequences)
+        for i, scores in enumerate(plain.scores):
+            torch.testing.assert_close(torch.cat([a.scores[i], b.scores[i]]), scores)
+
     def test_keyword_inputs_are_the_prompt(self, lm, hf):
         """``generate(**tokenizer(...))`` and ``generate(input_ids=..., attention_mask=...)``:
         the keywords are the batch, as a positional prompt is; the body reads modules and

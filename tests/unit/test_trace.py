@@ -182,6 +182,48 @@ class TestEditing:
             got = model.output.save()
         assert torch.all(got.value == 7)
 
+    def test_an_invoke_gets_its_rows_of_a_dict_dataclass_with_required_fields(self):
+        """A model-output mapping that is a dataclass with a required field (HF's
+        ``GenerateDecoderOnlyOutput`` has ``sequences``) keeps its type in each invoke's rows,
+        so ``out.value`` works there, and a member a body replaces merges back into that type."""
+
+        @dataclasses.dataclass
+        class Out(dict):
+            value: torch.Tensor
+            extra: torch.Tensor = None
+
+            def __post_init__(self):
+                for f in dataclasses.fields(self):
+                    if getattr(self, f.name) is not None:
+                        self[f.name] = getattr(self, f.name)
+
+            def __setitem__(self, key, item):
+                super().__setitem__(key, item)
+                super().__setattr__(key, item)
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(3, 3)
+
+            def forward(self, x):
+                return Out(self.lin(x))
+
+        m = M()
+        model = NNsight(m)
+        x1, x2 = torch.randn(1, 3), torch.randn(2, 3)
+        with model.trace() as tracer:
+            with tracer.invoke(x1):
+                a = model.output.save()
+            with tracer.invoke(x2):
+                model.output["value"] = model.output.value * 0
+                b = model.output.save()
+            with tracer.invoke():
+                full = model.output.save()
+        assert type(a) is Out and type(b) is Out and type(full) is Out
+        torch.testing.assert_close(a.value, m(x1).value)
+        torch.testing.assert_close(full.value, torch.cat([m(x1).value, torch.zeros(2, 3)]))
+
     def test_python_in_body(self, seq):
         """torch functions, methods, operators, if/for, comprehensions, user functions."""
         model = NNsight(seq)
