@@ -158,7 +158,10 @@ def _restore(tracer, user) -> None:
 def no_source_error(ctx, err: NoSourceError) -> NoSourceError:
     """The error for a block that cannot run in place: says why, and what to do."""
     what = ctx._what
-    if what == "trace":
+    if getattr(ctx, "_backend", None) is not None:
+        why = ("the trace is remote (remote=... / backend=...): what is sent to the model's "
+               "server is the with-statement's source, which it runs there")
+    elif what == "trace":
         why = ("a trace given no inputs runs several invokes, each of which must be compiled "
                "from its source" if not getattr(ctx, "_args", True) else
                "this kind of trace (generate) cannot run its body in place")

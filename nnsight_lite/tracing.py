@@ -226,8 +226,10 @@ class Tracer(BodyContext):
         self._run_in_scope(frame, self._run)
 
     def _no_source(self, err):
-        # a trace given inputs (not generate, which attaches modules around its run) runs in place
-        if (self._args or self._kwargs) and type(self)._run is Tracer._run:
+        # a trace given inputs (not generate, which attaches modules around its run) runs in
+        # place; a remote one ships its source, so it has none to run
+        if (self._args or self._kwargs) and type(self)._run is Tracer._run and \
+                self._backend is None:
             from .nosource import enter_inline_trace
 
             enter_inline_trace(self)

@@ -158,6 +158,23 @@ def test_exec_string_invokes_raise_clear_error(net):
     assert _clean(net)
 
 
+def test_exec_string_remote_trace_raises_instead_of_running_here(net):
+    """A remote trace ships its block's source, so without source it cannot run: exec of a
+    bare string with remote="local" raises NoSourceError saying so; it does not run the body
+    here in place (the model's forward never runs, nothing is bound)."""
+    calls = []
+    hook = net.register_forward_hook(lambda m, i, o: calls.append(1))
+    ns = {"model": NNsight(net), "x": torch.randn(3, 4)}
+    try:
+        with pytest.raises(NoSourceError, match=r"the trace is remote \(remote=") as info:
+            _exec("with model.trace(x, remote='local'):\n    out = model.output.save()\n", ns)
+    finally:
+        hook.remove()
+    assert "Jupyter" in str(info.value)
+    assert calls == [] and "out" not in ns
+    assert _clean(net)
+
+
 def test_source_that_does_not_match_still_raises(net):
     """Source that exists but is other code is not 'no source': it still raises."""
     import linecache
