@@ -134,7 +134,7 @@ def run_batched(model, requests: list, time_limit) -> list:
     finally:
         stack.pop()
     return [{"saved": saved_only(end.items(), saved),  # (the collector is never saved)
-             "result": None, "stdout": "", "error": None, "batch": len(requests)}
+             "stdout": "", "error": None, "batch": len(requests)}
             for end in ends]
 
 

@@ -95,6 +95,8 @@ def execute(request: dict, values: dict, *, time_limit: float | None = None, pol
     except Exception as exc:  # noqa: BLE001 - every failure goes back to the client
         reply["error"] = describe(exc, synthetic, filename)
     reply["stdout"] = out.getvalue()
+    if reply["result"] is _MISSING:  # (a sentinel: pickled, it would arrive as another object)
+        del reply["result"]
     return reply
 
 

@@ -41,3 +41,22 @@ def test_a_value_that_cannot_ship_fails_as_on_a_cluster(seq):
     finally:
         handle.remove()
     assert calls == []
+
+
+def test_tracer_result_after_the_block_is_as_local(seq):
+    """After a plain trace, `tracer.result` raises NNsightError both locally and with
+    remote="local" (it is read in the body and saved); inside the body, saved, it equals the
+    model's output."""
+    from nnsight_lite.errors import NNsightError
+
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    errors = []
+    for remote in (False, "local"):
+        with model.trace(x, remote=remote) as tracer:
+            out = tracer.result.save()
+        torch.testing.assert_close(out, seq(x))
+        with pytest.raises(NNsightError, match="only readable inside the trace's body") as info:
+            tracer.result
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
