@@ -143,6 +143,18 @@ def tiny_gpt2():
     return transformers.GPT2LMHeadModel(config).eval()
 
 
+def _detached(out):
+    """A module output with its tensors detached, comparable across runs: a model output
+    object as a plain tuple of its values, any other object by its type's name."""
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, dict):
+        return tuple(_detached(v) for v in out.values())
+    if isinstance(out, (tuple, list)):
+        return tuple(_detached(v) for v in out)
+    return type(out).__name__  # (a KV cache object: each forward makes its own)
+
+
 def gpt2(lib, scale: int = 1) -> Group:
     """Row 2: one block, all blocks, all MLP outputs zeroed; N invokes each saving the last
     block (the plain side: one forward of the N prompts batched, one hook), through
@@ -192,6 +204,26 @@ def gpt2(lib, scale: int = 1) -> Group:
             out = model.lm_head.output.save()
         return out
 
+    named = [(f"model.{n}" if n else "model", m) for n, m in hf.named_modules()]
+
+    def hooks_cache_all():
+        # every module's output, detached, by path (what a hand-written run_with_cache keeps)
+        kept = {}
+        handles = [m.register_forward_hook(
+            lambda m, i, o, n=n: kept.__setitem__(n, _detached(o))) for n, m in named]
+        try:
+            plain()
+        finally:
+            for h in handles:
+                h.remove()
+        return kept
+
+    def lib_cache_all():
+        with model.trace(ids) as tracer:
+            cache = tracer.cache()
+        return {k: _detached(cache[k].output) for k in cache.keys()}  # (nnsight's view has
+        # keys() and [], not items())
+
     def hooks_invokes(n):
         return list(saved_by_hooks(lambda: hf(batched[n]), [blocks[-1]])[0].split(1))
 
@@ -204,10 +236,11 @@ def gpt2(lib, scale: int = 1) -> Group:
         return outs
 
     cases = {"plain": plain}
-    for name in ("save_one", "save_all", "zero_mlps"):
+    for name in ("save_one", "save_all", "zero_mlps", "cache_all"):
         cases[f"hooks.{name}"] = locals()[f"hooks_{name}"]
         cases[f"lib.{name}"] = locals()[f"lib_{name}"]
-    checks = [(f"lib.{n}", f"hooks.{n}") for n in ("save_one", "save_all", "zero_mlps")]
+    checks = [(f"lib.{n}", f"hooks.{n}") for n in ("save_one", "save_all", "zero_mlps",
+                                                    "cache_all")]
     for n in INVOKES:
         cases[f"hooks.invokes_{n}"] = lambda n=n: hooks_invokes(n)
         cases[f"lib.invokes_{n}"] = lambda n=n: lib_invokes(n)

@@ -21,6 +21,8 @@ ROWS = [
      "lib.save_one", "plain"),
     ("2", "gpt2", "save all 12 blocks", "hooks.save_all", "lib.save_all", "plain"),
     ("2", "gpt2", "zero all 12 MLP outputs", "hooks.zero_mlps", "lib.zero_mlps", "plain"),
+    ("2", "gpt2", "cache every module's output (tracer.cache())",
+     "hooks.cache_all", "lib.cache_all", "plain"),
 ] + [
     ("2", "gpt2", f"{n} invoke(s), each saving the last block (base: {n} batched)",
      f"hooks.invokes_{n}", f"lib.invokes_{n}", f"hooks.invokes_{n}") for n in INVOKES
