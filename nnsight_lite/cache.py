@@ -27,6 +27,7 @@ from .errors import CacheError, ModulePathError, OutsideTraceError
 from .mediator import _MISSING, OUTPUT
 from .messages import backward_block_error, in_backward_block
 from .cache_view import CacheView, Entry, _key
+from .calls import Slot
 from .workers import _getcurrent, user_location
 
 #: Observers sort after every invoke body in a wait table (bodies are numbered from 0).
@@ -147,16 +148,19 @@ def _by_path(named: dict, path: str) -> torch.nn.Module:
 class _Observer:
     """Waits in the wait tables like a body, but only records; sorts after every body."""
 
-    __slots__ = ("index", "records", "by_slot", "total", "rows", "device", "dtype", "detach",
-                 "non_blocking", "skip_value")
+    __slots__ = ("index", "records", "by_slot", "names", "total", "rows", "device", "dtype",
+                 "detach", "non_blocking", "skip_value")
+
+    switches = False  # it records in place: serving it switches to no body (see Interleaver)
 
     def __init__(self, records, inter, rows, device, dtype, detach, non_blocking):
         self.index = _OBSERVER_BASE + next(_counter) % _OBSERVER_BASE
         self.records = records  # the view's: named_modules() path -> Entry, in reached order
-        self.by_slot = {}  # the same entries by Slot (a slot's path is computed once)
+        self.by_slot = {}  # the same entries by Slot
+        self.names = {}  # Slot -> its named_modules() path, each worked out once (_name_of)
         self.total = inter.total
         self.rows = rows  # (start, size) of the invoke that opened it, or None (whole batch)
-        self.device = device
+        self.device = torch.device(device) if device is not None else None
         self.dtype = dtype
         self.detach = detach
         self.non_blocking = non_blocking
@@ -177,7 +181,7 @@ class _Observer:
         slot, kind, call = key
         entry = self.by_slot.get(slot)
         if entry is None:
-            entry = self.by_slot[slot] = self.records[slot.name] = Entry(slot.module)
+            entry = self.by_slot[slot] = self.records[self._name_of(slot)] = Entry(slot.module)
         if kind is OUTPUT:
             entry._outputs.append(self._take(value))
             self.wait(slot.wait_out, call + 1)
@@ -186,6 +190,19 @@ class _Observer:
             entry._inputs.append((self._take(tuple(args)), self._take(dict(kwargs))))
             self.wait(slot.wait_in, call + 1)
         return value
+
+    def _name_of(self, slot) -> str:
+        """``slot.name`` (a walk up to the root each time) with every path kept: a cache of
+        every module works each out once, from its parent's."""
+        name = self.names.get(slot)
+        if name is None:
+            if slot.parent is None or slot.__class__ is not Slot:
+                name = slot.name
+            else:
+                up = self._name_of(slot.parent)
+                name = f"{up}.{slot.attr}" if up else slot.attr
+            self.names[slot] = name
+        return name
 
     def _take(self, value):
         """``value`` as stored: this invoke's rows, detached, moved and cast as asked."""
@@ -196,7 +213,9 @@ class _Observer:
             if self.detach:
                 value = value.detach()
             dtype = self.dtype if self.dtype is not None and value.is_floating_point() else None
-            if self.device is not None or dtype is not None:
+            if (self.device is not None and value.device != self.device) or (
+                    dtype is not None and value.dtype != dtype):  # (.to() that changes nothing
+                # returns the tensor itself, after a dispatch: ~1 µs a module saved)
                 value = value.to(device=self.device, dtype=dtype, non_blocking=self.non_blocking)
             return value
         if isinstance(value, (tuple, list, dict)) or (

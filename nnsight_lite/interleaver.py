@@ -336,7 +336,9 @@ class Interleaver:
         key = (slot, OUTPUT, call)
         self.position = self.serving = key
         waiting = slot.wait_out
-        state = tls_state()  # the forward's; every resume puts it back
+        # the forward's grad/autocast state (every resume puts it back), for the bodies served
+        # here; none when only caches wait (they sort last and switch to no body)
+        state = tls_state() if waiting[call][0].switches else None
         try:
             while call in waiting:  # bodies woken while serving may ask for this same value
                 for med in waiting.pop(call):
@@ -353,7 +355,7 @@ class Interleaver:
         whole = _MISSING
         partial = []
         waiting = slot.wait_in
-        state = tls_state()
+        state = tls_state() if waiting[call][0].switches else None  # (as in _serve_output)
         try:
             while call in waiting:
                 for med in waiting.pop(call):

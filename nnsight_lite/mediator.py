@@ -90,6 +90,8 @@ class Mediator:
     _late_error = late_error
     missed_error = missed_error
 
+    switches = True  # serving it switches into its body (a cache's observer does not)
+
     def __init__(self, interleaver: "Interleaver", index: int, run, batch=None, scope=None):
         self.interleaver = interleaver
         self.index = index
