@@ -51,6 +51,7 @@ class Tracer(BodyContext):
 
     _inter = None  # the running trace's Interleaver (only while it runs)
     _result = _MISSING  # what the traced call returned, where it outlives the trace (generate)
+    _stopped_at = None  # where a tracer.stop() ended the call ("file:line"), once it ran
     _call_name = "model.trace"  # (how messages name the call that made this tracer)
 
     def __init__(self, model, args: tuple, kwargs: dict, *, scan: bool = False,
@@ -183,6 +184,12 @@ class Tracer(BodyContext):
             raise NNsightError(
                 "tracer.result was read in the body of a trace that was given no inputs, which "
                 "only sets up invokes; read it inside a `with tracer.invoke(...):` block"
+            )
+        if self._stopped_at:
+            raise NNsightError(
+                f"tracer.result: tracer.stop() at {self._stopped_at} ended {self._call_name}"
+                "(...) before it returned, so there is no result; save what you need in the "
+                "body before stopping (the values read by then)"
             )
         raise NNsightError(
             "tracer.result is only readable inside the trace's body (it waits for the model's "
@@ -332,6 +339,7 @@ class Tracer(BodyContext):
                 _on_runner(lambda: inter.run(lambda: self._forward(inter, args, kwargs)))
         finally:
             self._inter = None
+            self._stopped_at = inter.stopped_early
             for made_scope in made:
                 made_scope.reset()
 

@@ -4,6 +4,7 @@ against plain transformers: loading, tokenizing and padding, traces, generation,
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import pytest
@@ -834,6 +835,27 @@ class TestGenerate:
         assert torch.equal(torch.cat([a.sequences, b.sequences]), plain.sequences)
         for i, scores in enumerate(plain.scores):
             torch.testing.assert_close(torch.cat([a.scores[i], b.scores[i]]), scores)
+
+    def test_result_after_a_stop_names_the_stop(self, lm, hf, arch):
+        """``tracer.stop()`` at step 1 of a generate: the values read by then are those of
+        plain generate's first two steps, and ``tracer.result`` (generation never returned)
+        raises an error naming the stop's line."""
+        seen = []
+        plain_generate(hf, lm.tokenizer(PROMPTS[0], return_tensors="pt"), 4,
+                       hooks=[(layers(hf, arch)[0], lambda step, o: seen.append(o))])
+        with lm.generate(PROMPTS[0], max_new_tokens=4) as tracer:
+            got = nnsight_lite.save([])
+            for step in tracer.iter[:]:
+                got.append(layers(lm, arch)[0].output)
+                if step == 1:
+                    tracer.stop()
+        stop_line = f"{__file__}:{sys._getframe().f_lineno - 1}"
+        assert len(got) == 2
+        for a, b in zip(got, seen):
+            torch.testing.assert_close(a, b)
+        with pytest.raises(nnsight_lite.NNsightError, match="tracer.stop") as info:
+            tracer.result
+        assert stop_line in str(info.value)
 
     def test_keyword_inputs_are_the_prompt(self, lm, hf):
         """``generate(**tokenizer(...))`` and ``generate(input_ids=..., attention_mask=...)``:

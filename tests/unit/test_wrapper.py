@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import pytest
@@ -175,6 +176,19 @@ class TestResult:
             pass
         with pytest.raises(NNsightError, match=r"tracer.result.save\(\)"):
             tracer.result
+
+    def test_after_a_stop_says_the_stop_ended_the_call(self):
+        """After ``tracer.stop()`` the call never returned: the error names the stop's line
+        instead of saying to save ``tracer.result`` in the body (which would never come)."""
+        model = NNsight(_net())
+        with model.trace(torch.randn(1, 4)) as tracer:
+            h = model[0].output.save()
+            tracer.stop()
+        stop_line = f"{__file__}:{sys._getframe().f_lineno - 1}"
+        assert h.shape == (1, 8)
+        with pytest.raises(NNsightError, match="tracer.stop") as info:
+            tracer.result
+        assert stop_line in str(info.value) and "save()" not in str(info.value)
 
     def test_in_a_collecting_body_says_to_use_an_invoke(self):
         model = NNsight(_net())
