@@ -1,7 +1,7 @@
 """``LanguageModel``: a Hugging Face causal LM and its tokenizer, traced like any module.
 
     LanguageModel(path_or_model, tokenizer=None, dispatch=False, **from_pretrained_kwargs)
-        .trace(prompt)      one batched forward; prompts are tokenized and left-padded
+        .trace(prompt)      one batched forward; prompts are tokenized and padded (left)
         .generate(prompt, max_new_tokens=k)   HF generate with the body at every step
         .tokenizer          the tokenizer
         .generator.output   the generated ids (inside a generate body, after its loop)
@@ -21,8 +21,10 @@ Keyword arguments the tokenizer understands (``max_length``, ``truncation``,
 forward (``trace``) or to HF ``generate`` (``generate``). A keyword given both to
 ``trace()``/``generate()`` and to an invoke applies to the whole batch with the call's value.
 
-Batching: every invoke gets the rows it would get tokenized on its own, left-padded to one
-length, so the last position holds every prompt's last token (text without tokenizer options
+Batching: every invoke gets the rows it would get tokenized on its own, padded to one length
+on the tokenizer's side, the left unless ``tokenizer_kwargs={"padding_side": "right"}`` (or
+``model.tokenizer.padding_side = "right"``) asks for the right, as in nnsight; on the left
+the last position holds every prompt's last token (text without tokenizer options
 goes through the tokenizer in one call for all invokes; token-id tensors are taken as they
 are). Where there is padding and the model's forward takes ``position_ids``, they are computed
 from the attention mask as HF ``generate`` does, so a prompt's activations do not depend on the
@@ -108,8 +110,10 @@ class LanguageModel(NNsight):
     - ``automodel``: the auto class to load with (default ``AutoModelForCausalLM``).
 
     A tokenizer without a pad token gets its eos token as pad token, with a warning (what HF
-    users do); padding is always on the left, and a tokenizer passed in is set to pad on the
-    left (``model.tokenizer(prompts, padding=True)`` keeps each last token at ``[:, -1]``).
+    users do); prompts are padded on the tokenizer's side: the left, since a tokenizer passed
+    in is set to pad on the left and one loaded pads there unless ``tokenizer_kwargs`` say
+    ``"padding_side": "right"`` (``model.tokenizer(prompts, padding=True)`` and the invokes'
+    batch keep each last token at ``[:, -1]``).
     """
 
     def __init__(self, model, *, tokenizer=None, dispatch: bool = False, automodel=None,
@@ -204,7 +208,8 @@ class LanguageModel(NNsight):
 
     @property
     def tokenizer(self):
-        """The tokenizer prompts go through (left padding; a pad token is always set)."""
+        """The tokenizer prompts go through (its padding side, left unless set otherwise, is
+        the batch's; a pad token is always set)."""
         return self._tokenizer
 
     @property

@@ -1,12 +1,12 @@
-"""Prompts to model inputs: tokenizing, checking and left-padding (LanguageModel's helpers;
-not exported from the package).
+"""Prompts to model inputs: tokenizing, checking and padding (LanguageModel's helpers; not
+exported from the package).
 
     TOKENIZER_KWARGS    the keywords that go to the tokenizer (per invoke)
     INPUT_KWARGS        the keywords that are the prompt itself (input_ids, inputs_embeds, mask)
     prepare(...)        one invoke's prompt as ((), {"input_ids", "attention_mask", ...}, rows)
-    batch(...)          several invokes' prepared inputs left-padded into one batch, ids checked
+    batch(...)          several invokes' prepared inputs padded into one batch, ids checked
     encode(...)         one prompt as (input_ids, attention_mask, other keys)
-    tokenize(...)       texts as (input_ids, attention_mask, other keys), left-padded
+    tokenize(...)       texts as (input_ids, attention_mask, other keys), padded
     with_pad_token(tok) give a tokenizer without a pad token its eos token (with a warning)
 
 Accepted prompts: a string, a list of strings, token ids (a list of ints, a list of lists of
@@ -14,6 +14,10 @@ ints, a 1-D or 2-D integer tensor), or a dict / ``BatchEncoding`` with ``input_i
 optionally ``attention_mask``); or embeddings, ``inputs_embeds=`` a (batch, positions, hidden)
 float tensor (and optionally ``attention_mask``). Anything else raises ``InputError`` saying
 what was given.
+
+Padding goes on the tokenizer's ``padding_side``, as nnsight pads: the left (so ``[:, -1]`` is
+every prompt's last token) unless the user set ``padding_side="right"`` on it
+(``LanguageModel(..., tokenizer_kwargs={"padding_side": "right"})``); left without a tokenizer.
 """
 
 from __future__ import annotations
@@ -139,7 +143,8 @@ def _prepare_embeds(args: tuple, kwargs: dict, tok_kwargs: dict):
 
 
 def encode(tokenizer, prompt, tok_kwargs: dict):
-    """``(input_ids, attention_mask, other_keys)`` of one prompt, padded on the left."""
+    """``(input_ids, attention_mask, other_keys)`` of one prompt, padded on the tokenizer's
+    side."""
     if _is_text(prompt):
         ids, mask, extra = tokenize(tokenizer, _texts(prompt), tok_kwargs)
         extra["_from_text"] = True
@@ -157,13 +162,13 @@ def encode(tokenizer, prompt, tok_kwargs: dict):
         ids = _rows(prompt["input_ids"])
         mask = prompt.get("attention_mask")
         if mask is None:
-            ids, mask = _left_pad(ids, _pad_id(tokenizer))
+            ids, mask = _pad_ragged(ids, _pad_id(tokenizer), side(tokenizer))
         else:
             ids = _as_ids(ids if isinstance(ids, torch.Tensor) else _stack(ids), "input_ids")
             mask = _mask_rows(mask, ids, "input_ids")
         extra = {k: v for k, v in prompt.items() if k not in ("input_ids", "attention_mask")}
         return ids, mask, extra
-    ids, mask = _left_pad(_rows(prompt), _pad_id(tokenizer))
+    ids, mask = _pad_ragged(_rows(prompt), _pad_id(tokenizer), side(tokenizer))
     return ids, mask, {}
 
 
@@ -174,7 +179,8 @@ class Texts(list):
 
 
 def tokenize(tokenizer, texts: list, tok_kwargs: dict):
-    """``(input_ids, attention_mask, other_keys)`` of ``texts``, padded on the left."""
+    """``(input_ids, attention_mask, other_keys)`` of ``texts``, padded on the tokenizer's
+    side (an invoke's ``padding_side=`` option wins)."""
     if tokenizer is None:
         raise InputError(
             f"a text prompt ({texts[0]!r}{', ...' if len(texts) > 1 else ''}) needs a tokenizer, "
@@ -182,7 +188,7 @@ def tokenize(tokenizer, texts: list, tok_kwargs: dict):
             "(a tensor or lists of ints), or give it one: LanguageModel(model, "
             "tokenizer=AutoTokenizer.from_pretrained(...)), or model.tokenizer = ..."
         )
-    tok_kwargs = {"padding": True, "padding_side": "left", **tok_kwargs}
+    tok_kwargs = {"padding": True, "padding_side": side(tokenizer), **tok_kwargs}
     enc = tokenizer(texts, return_tensors="pt", **tok_kwargs)
     ids = enc["input_ids"]
     mask = enc.get("attention_mask")
@@ -258,11 +264,12 @@ def check_vocab(ids: torch.Tensor, vocab: int | None) -> None:
 
 
 def batch(prepared: list, tokenizer, vocab: int | None, position_ids: bool):
-    """Several invokes' ``prepare`` results left-padded to one length and stacked; every
-    invoke's ids checked against ``vocab`` (the padding the batch adds is not checked).
+    """Several invokes' ``prepare`` results padded to one length (on the tokenizer's
+    ``padding_side``) and stacked; every invoke's ids checked against ``vocab`` (the padding the
+    batch adds is not checked).
 
     With ``position_ids`` and some padding, adds position ids counted over the attention mask.
-    Invokes given ``inputs_embeds`` are left-padded with zero vectors the same way; they cannot
+    Invokes given ``inputs_embeds`` are padded with zero vectors the same way; they cannot
     share a batch with invokes given token ids (``BatchingError``).
     """
     if len(prepared) == 1:  # one invoke (a trace given its prompt): nothing to pad
@@ -280,7 +287,7 @@ def batch(prepared: list, tokenizer, vocab: int | None, position_ids: bool):
     kws = [k for _, k, _ in prepared]
     embeds = [i for i, k in enumerate(kws) if "inputs_embeds" in k]
     if embeds:
-        return _batch_embeds(kws, sizes, embeds, position_ids)
+        return _batch_embeds(kws, sizes, embeds, position_ids, side(tokenizer))
     if any(type(k["input_ids"]) is Texts for k in kws):
         kws = _tokenized(kws, tokenizer)
     width = kws[0]["input_ids"].shape[1]
@@ -295,9 +302,9 @@ def batch(prepared: list, tokenizer, vocab: int | None, position_ids: bool):
         full = False
         check_vocab(torch.cat([k["input_ids"].reshape(-1) for k in kws]), vocab)
         width = max(k["input_ids"].shape[1] for k in kws)
-        pad = _pad_id(tokenizer)
-        ids = torch.cat([pad_left(k["input_ids"], width, pad) for k in kws])
-        mask = torch.cat([pad_left(_mask_of(k), width, 0) for k in kws])
+        pad, on = _pad_id(tokenizer), side(tokenizer)
+        ids = torch.cat([pad_to(k["input_ids"], width, pad, on) for k in kws])
+        mask = torch.cat([pad_to(_mask_of(k), width, 0, on) for k in kws])
         rest = [((), {n: v for n, v in k.items() if n not in ("input_ids", "attention_mask")})
                 for k in kws]
         _, kwargs, _ = concat_inputs(rest, sizes)
@@ -307,7 +314,7 @@ def batch(prepared: list, tokenizer, vocab: int | None, position_ids: bool):
     return (), _with_position_ids(kwargs, position_ids), sizes
 
 
-def _batch_embeds(kws: list, sizes: list, embeds: list, position_ids: bool):
+def _batch_embeds(kws: list, sizes: list, embeds: list, position_ids: bool, on: str):
     """``batch`` of invokes given ``inputs_embeds`` (``embeds``: their indices in ``kws``)."""
     if len(embeds) != len(kws):
         ids = [i for i in range(len(kws)) if i not in embeds]
@@ -320,8 +327,8 @@ def _batch_embeds(kws: list, sizes: list, embeds: list, position_ids: bool):
         )
     width = max(k["inputs_embeds"].shape[1] for k in kws)
     full = all(k["attention_mask"] is None and k["inputs_embeds"].shape[1] == width for k in kws)
-    mask = torch.cat([pad_left(_mask_of(k), width, 0) for k in kws])
-    rest = [((), {n: pad_left(v, width, 0) if n == "inputs_embeds" else v
+    mask = torch.cat([pad_to(_mask_of(k), width, 0, on) for k in kws])
+    rest = [((), {n: pad_to(v, width, 0, on) if n == "inputs_embeds" else v
                   for n, v in k.items() if n != "attention_mask"}) for k in kws]
     _, kwargs, _ = concat_inputs(rest, sizes)  # (BatchingError for other hidden sizes, dtypes)
     kwargs["attention_mask"] = mask
@@ -349,6 +356,12 @@ def _mask_of(kw: dict) -> torch.Tensor:
     if emb is not None:
         return torch.ones(emb.shape[:2], dtype=torch.long, device=emb.device)
     return torch.ones_like(kw["input_ids"])
+
+
+def side(tokenizer) -> str:
+    """The side prompts are padded on: the tokenizer's ``padding_side`` ("left" unless set to
+    "right"; "left" without a tokenizer)."""
+    return "right" if getattr(tokenizer, "padding_side", "left") == "right" else "left"
 
 
 def _pad_id(tokenizer) -> int:
@@ -456,8 +469,8 @@ def _describe(x) -> str:
     return f"a {type(x).__name__}"
 
 
-def _left_pad(rows, pad: int):
-    """Ragged rows (or a 2-D tensor) as ``(ids, mask)`` padded on the left."""
+def _pad_ragged(rows, pad: int, on: str = "left"):
+    """Ragged rows (or a 2-D tensor) as ``(ids, mask)`` padded on side ``on``."""
     if isinstance(rows, torch.Tensor):
         return rows, torch.ones_like(rows)
     width = max(r.shape[0] for r in rows)
@@ -466,23 +479,25 @@ def _left_pad(rows, pad: int):
     for i, r in enumerate(rows):
         n = r.shape[0]
         if n:
-            ids[i, width - n:] = r
-            mask[i, width - n:] = 1
+            cols = slice(width - n, width) if on == "left" else slice(0, n)
+            ids[i, cols] = r
+            mask[i, cols] = 1
     return ids, mask
 
 
 def _stack(rows):
-    ids, _ = _left_pad(rows, 0)
+    ids, _ = _pad_ragged(rows, 0)
     return ids
 
 
-def pad_left(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
-    """``x`` (rows of ids, mask or embeddings) padded on the left with ``value`` to ``width``
-    positions (dim 1)."""
+def pad_to(x: torch.Tensor, width: int, value: int, on: str = "left") -> torch.Tensor:
+    """``x`` (rows of ids, mask or embeddings) padded on side ``on`` with ``value`` to
+    ``width`` positions (dim 1)."""
     n = width - x.shape[1]
     if n == 0:
         return x
-    return torch.cat([x.new_full((x.shape[0], n, *x.shape[2:]), value), x], 1)
+    fill = x.new_full((x.shape[0], n, *x.shape[2:]), value)
+    return torch.cat([fill, x] if on == "left" else [x, fill], 1)
 
 
 __all__ = ["TOKENIZER_KWARGS", "INPUT_KWARGS", "Texts", "prepare", "batch", "encode", "tokenize",

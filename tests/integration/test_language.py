@@ -1300,3 +1300,34 @@ def test_a_loaded_tokenizer_pads_on_the_left(lm, hf, model_dirs, arch):
     with wrapped.trace(enc["input_ids"], attention_mask=enc["attention_mask"]):
         again = wrapped.lm_head.output[:, -1].save()
     torch.testing.assert_close(again, last)
+
+
+def test_a_right_padding_tokenizer_pads_prompts_and_invokes_on_the_right(model_dirs, hf, arch):
+    """``tokenizer_kwargs={"padding_side": "right"}`` pads text, ragged token ids and invokes on
+    the right, as nnsight does with such a tokenizer: the batch's ids are the tokenizer's own
+    right-padded ones, and each prompt's positions hold its own forward's logits."""
+    from nnsight_lite import LanguageModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        right = LanguageModel(model_dirs[arch], tokenizer_kwargs={"padding_side": "right"})
+    short, long = PROMPTS[1], PROMPTS[2]
+    enc = right.tokenizer([long, short], return_tensors="pt", padding=True)
+    alone = [hf(**right.tokenizer(p, return_tensors="pt")).logits[0] for p in (long, short)]
+    ragged = [right.tokenizer(p)["input_ids"] for p in (long, short)]
+    for kind in ("text", "invokes", "ragged ids"):
+        with right.trace() as tracer:
+            if kind == "text":
+                with tracer.invoke([long, short]):
+                    pass
+            else:
+                for prompt in ((long, short) if kind == "invokes" else ragged):
+                    with tracer.invoke(prompt):
+                        pass
+            with tracer.invoke():
+                emb = right.transformer.wte if arch == "gpt2" else right.model.embed_tokens
+                ids = emb.input.save()
+                logits = right.lm_head.output.save()
+        assert torch.equal(ids, enc["input_ids"]), kind
+        for row, want in enumerate(alone):
+            torch.testing.assert_close(logits[row, :len(want)], want, atol=1e-4, rtol=1e-4)
