@@ -405,15 +405,39 @@ class Backward(BodyContext):
         )
 
     def _missed_error(self):
-        t = self._pending
         g = self._greenlet
         where = user_location(g.gr_frame) if g.gr_frame is not None else "<unknown>"
-        return GradientError(
-            f".grad of {_describe(t)} was read at {where}, but backprop never reached it: the "
-            "tensor is not part of this loss's graph (or its gradient was computed before it "
-            "was asked for, with no later tensor read in between). Check that the loss is "
-            "computed from it, and read gradients in reverse execution order."
-        )
+        return missed_error(self._pending, where, self._args[3], self._last)
+
+
+def missed_error(t, where: str, inputs, last) -> GradientError:
+    """The error for a ``.grad`` read that backprop never answered, with the likely reason:
+    ``inputs=`` leaving ``t`` out, ``t`` a view made after its base was used (``h[:, 0].grad``),
+    or a leaf (a parameter, an input) read out of turn; ``last`` is the tensor read before."""
+    if inputs is not None and not any(t is i for i in _as_tuple(inputs)):
+        why = ("this backward was given inputs=, and backprop runs only as far as those "
+               "tensors need: add it to inputs= (or leave inputs= out)")
+    elif t._base is not None and t._base.requires_grad:
+        why = ("it is a view (a slice, an index, a reshape) of another tensor; one made "
+               "after that tensor was used (`h[:, 0]` in the body) is not part of the loss's "
+               "graph: read the gradient of the tensor itself and index that "
+               "(`h.grad[:, 0]`, not `h[:, 0].grad`)")
+    elif t.is_leaf or (last is not None and last.is_leaf):
+        who = "it is" if t.is_leaf else f"the {_describe(last)} read before it is"
+        why = (f"{who} a leaf (a parameter or an input), whose gradient arrives as backprop "
+               "passes the operation that uses it, not in the order the tensors were made: "
+               "read a leaf's .grad right after that of the operation's output, or read "
+               "`param.grad` after the block")
+    else:
+        why = ("the tensor is not part of this loss's graph, or its gradient was computed "
+               "before it was asked for, with no later tensor read in between: check that the "
+               "loss is computed from it, and read gradients in reverse execution order")
+    return GradientError(f".grad of {_describe(t)} was read at {where}, but backprop never "
+                         f"reached it: {why}.")
+
+
+def _as_tuple(inputs) -> tuple:
+    return (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
 
 
 def _rows_of(t):

@@ -36,12 +36,12 @@ import greenlet
 import torch
 
 from .backward import (
-    _describe,
     add_grad_hook,
     _is_multithreading,
     _original_backward,
     _seq_of,
     _set_multithreading,
+    missed_error,
     read_grad,
     set_grad,
 )
@@ -251,12 +251,7 @@ def _wait_inline(ctx, t):
             set_tls_state(state, now)
     if value is _ENDED:
         ctx._pending = None
-        raise GradientError(
-            f".grad of {_describe(t)} was read at {user_location()}, but backprop never "
-            "reached it: the tensor is not part of this loss's graph (or its gradient was "
-            "computed before it was asked for). Check that the loss is computed from it, and "
-            "read gradients in reverse execution order."
-        )
+        raise missed_error(t, user_location(), ctx._args[3], ctx._last)
     return value
 
 

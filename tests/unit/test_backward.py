@@ -159,6 +159,76 @@ class TestGradErrors:
             with (a * 2).sum().backward():
                 other.grad
 
+    def test_view_made_after_use_says_index_the_gradient(self, seq):
+        """``h[:, 0].grad`` (the view made in the body, after the model used ``h``) is never
+        reached, as a plain hook on such a view never fires; the error says to index the
+        gradient instead, which gives retain_grad's rows."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with pytest.raises(GradientError, match=r"view .*`h.grad\[:, 0\]`, not `h\[:, 0\].grad`"):
+            with model.trace(x):
+                h = model[1].output
+                col = h[:, 0]
+                with model.output.sum().backward():
+                    col.grad
+        fired = []
+        ref = seq[1](seq[0](x))
+        ref.retain_grad()
+        out = seq[3](seq[2](ref))
+        ref[:, 0].register_hook(fired.append)
+        out.sum().backward()
+        assert fired == []
+        with model.trace(x):
+            h = model[1].output
+            with model.output.sum().backward():
+                g = h.grad[:, 0].save()
+        torch.testing.assert_close(g, ref.grad[:, 0])
+
+    def test_tensor_left_out_of_inputs_says_so(self, seq):
+        """backward(inputs=[w]) runs backprop only as far as ``w`` needs, so an activation
+        after ``w``'s layer is never reached (a plain hook there does not fire either)."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        w = seq[3].weight
+        with pytest.raises(GradientError, match="given inputs=.*add it to inputs="):
+            with model.trace(x):
+                h = model[1].output
+                with model.output.sum().backward(inputs=[w]):
+                    h.grad
+        fired = []
+        h = seq[1](seq[0](x))
+        h.register_hook(fired.append)
+        seq[3](seq[2](h)).sum().backward(inputs=[w])
+        assert fired == []
+
+    def test_leaf_read_out_of_turn_says_so(self, seq):
+        """A parameter's gradient arrives as backprop passes the layer that uses it: the last
+        layer's weight before the activations below it (plain hooks fire in that order), so
+        reading an activation first and then that weight misses the weight, and the error
+        says why."""
+        order = []
+        w = seq[3].weight
+        h = seq[1](seq[0](torch.randn(2, 6)))
+        h.register_hook(lambda g: order.append("h"))
+        w_hook = w.register_hook(lambda g: order.append("w"))
+        seq[3](seq[2](h)).sum().backward()
+        w_hook.remove()
+        assert order == ["w", "h"]
+        seq.zero_grad()
+        model = NNsight(seq)
+        with pytest.raises(GradientError, match=r"it is a leaf \(a parameter or an input\)"):
+            with model.trace(torch.randn(2, 6)):
+                h = model[1].output
+                with model.output.sum().backward():
+                    h.grad
+                    w.grad
+        with pytest.raises(GradientError, match=r"shape \(6, 6\).* read before it is a leaf"):
+            with model.trace(torch.randn(2, 6)):
+                h = model[1].output
+                with model.output.sum().backward():
+                    seq[0].weight.grad
+                    h.grad
+
     def test_no_grad_loss(self, seq):
         model = NNsight(seq)
         with pytest.raises(GradientError, match="does not require grad"):
