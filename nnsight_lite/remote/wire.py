@@ -13,7 +13,9 @@ Example::
 
 Only the with-block's source, the caller values it reads and (on the way back) the saved
 values cross: an Envoy is pickled as its module path, never with its module, so no weights
-travel. A client model with persistent edits (``model.edit()``) travels as the root plus each
+travel. A ``tracer.cache()`` view travels as its records and is attached to the model on the
+other side, so it navigates there as it did here (``cache.model[1].output``). A client model
+with persistent edits (``model.edit()``) travels as the root plus each
 edit's source and the values it reads; the server applies them to a copy of the served model.
 """
 
@@ -28,6 +30,7 @@ from collections import OrderedDict
 
 import cloudpickle
 
+from ..cache import CacheView
 from ..capture.source import _body_sources
 from ..envoy import Envoy
 from ..errors import RemoteError
@@ -49,6 +52,9 @@ class _Pickler(cloudpickle.Pickler):
             return None
         if isinstance(obj, Envoy):
             return self._envoy_ref(obj)
+        if type(obj) is CacheView and obj._root is not None and self._tree is not None and \
+                obj._root.__dict__.get("_tree") is self._tree:  # navigable on the other side too
+            return ("cache", obj.__getstate__())
         if obj is self._tokenizer and obj is not None:
             return ("tokenizer",)
         from .client import Backend
@@ -94,6 +100,11 @@ class _Unpickler(pickle.Unpickler):
             return envoy
         if kind == "root":
             return _with_edits(root, pid[1])
+        if kind == "cache":  # tracer.cache()'s view, attached to this side's model
+            view = CacheView.__new__(CacheView)
+            view.__setstate__(pid[1])
+            view._root = root
+            return view
         raise pickle.UnpicklingError(f"unknown reference {pid!r}")  # pragma: no cover
 
 

@@ -60,3 +60,24 @@ def test_tracer_result_after_the_block_is_as_local(seq):
             tracer.result
         errors.append(str(info.value))
     assert errors[0] == errors[1]
+
+
+def test_a_cache_from_a_remote_trace_navigates_like_a_local_one(seq):
+    """tracer.cache() saved by a remote="local" trace comes back attached to the model: the
+    keys, cache[i], cache.model[i] and the path lookup equal the local run's and the plain
+    modules' outputs."""
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    views = []
+    for remote in (False, "local"):
+        with model.trace(x, remote=remote) as tracer:
+            cache = tracer.cache()
+        views.append(cache)
+    want = [x]
+    for layer in seq:
+        want.append(layer(want[-1]))
+    for cache in views:
+        assert list(cache.keys()) == ["model.0", "model.1", "model.2", "model.3", "model"]
+        torch.testing.assert_close(cache[1].output, want[2])
+        torch.testing.assert_close(cache.model[2].output, want[3])
+        torch.testing.assert_close(cache["model.3"].output, want[4])
