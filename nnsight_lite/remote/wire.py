@@ -17,6 +17,8 @@ travel. A ``tracer.cache()`` view travels as its records and is attached to the 
 other side, so it navigates there as it did here (``cache.model[1].output``). A client model
 with persistent edits (``model.edit()``) travels as the root plus each
 edit's source and the values it reads; the server applies them to a copy of the served model.
+A client model wrapped with ``rename=`` / ``envoys=`` sends those aliases and Envoy classes with
+its references, and the server reads the body's names through a copy wrapped the same way.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class _Pickler(cloudpickle.Pickler):
         self._root = root
         d = root.__dict__ if root is not None else {}
         self._tree = d.get("_tree")
+        self._names = _tree_spec(self._tree)  # one object: pickled once, then by reference
         self._tokenizer = d.get("_tokenizer")
         self._generator = d.get("_generator")
 
@@ -52,8 +55,8 @@ class _Pickler(cloudpickle.Pickler):
             return None
         if isinstance(obj, Envoy):
             return self._envoy_ref(obj)
-        if type(obj) is CacheView and obj._root is not None and self._tree is not None and \
-                obj._root.__dict__.get("_tree") is self._tree:  # navigable on the other side too
+        if type(obj) is CacheView and obj._root is not None and self._root is not None and \
+                obj._root._module is self._root._module:  # navigable on the other side too
             return ("cache", obj.__getstate__())
         if obj is self._tokenizer and obj is not None:
             return ("tokenizer",)
@@ -74,15 +77,25 @@ class _Pickler(cloudpickle.Pickler):
                 "used in a remote body"
             )
         if d.get("_mpath"):
-            return ("envoy", d["_mpath"])
+            return ("envoy", d["_mpath"], self._names)
         edits = d.get("_edits", ())
-        return ("root", tuple(_ship_edit(e) for e in edits))
+        return ("root", tuple(_ship_edit(e) for e in edits), self._names)
 
 
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file, root):
         super().__init__(file)
         self._root = root
+        self._named: dict = {}  # id(names) -> root with those aliases and Envoy classes
+
+    def _base(self, names):
+        """The root with the sender's aliases and Envoy classes (``rename=``, ``envoys=``)."""
+        if names is None:
+            return self._root
+        got = self._named.get(id(names))
+        if got is None:
+            got = self._named[id(names)] = (names, _with_names(self._root, names))
+        return got[1]
 
     def persistent_load(self, pid):
         kind = pid[0]
@@ -94,12 +107,12 @@ class _Unpickler(pickle.Unpickler):
         if kind == "generator":
             return root.generator
         if kind == "envoy":
-            envoy = root
+            envoy = self._base(pid[2])
             for part in pid[1].split("."):
                 envoy = envoy._reach(part)
             return envoy
         if kind == "root":
-            return _with_edits(root, pid[1])
+            return _with_edits(self._base(pid[2]), pid[1])
         if kind == "cache":  # tracer.cache()'s view, attached to this side's model
             view = CacheView.__new__(CacheView)
             view.__setstate__(pid[1])
@@ -218,6 +231,31 @@ def _is_builtin(name, value) -> bool:
 
 
 _NOTHING = object()
+
+
+# --------------------------------------------------------------------------- rename, envoys
+
+def _tree_spec(tree):
+    """A model's ``rename=`` aliases and ``envoys=`` classes as data, or None (none given)."""
+    if tree is None or not (tree.aliases or tree.classes):
+        return None
+    return (tree.aliases, tuple(tree.classes))
+
+
+def _with_names(root, names):
+    """``root``, or a copy of it with the aliases and Envoy classes ``names`` (the client's
+    ``rename=`` / ``envoys=``, which the served model was not wrapped with)."""
+    from ..aliases import Tree
+
+    aliases, classes = names
+    tree = root.__dict__.get("_tree")
+    if tree is not None and tree.aliases == aliases and tuple(tree.classes) == classes:
+        return root
+    named = root._copy()
+    tree = Tree.__new__(Tree)
+    tree.aliases, tree.classes = aliases, list(classes)
+    named.__dict__["_tree"] = tree
+    return named
 
 
 # --------------------------------------------------------------------------- edits

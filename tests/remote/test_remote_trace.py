@@ -136,6 +136,40 @@ class TestSameResultsAsLocal:
         assert torch.allclose(rw, lw)
 
 
+class Doubled(nnsight_lite.Envoy):
+    """An Envoy class of the client's own (``envoys=``), with a property of its own."""
+
+    @property
+    def twice(self):
+        return self.output * 2
+
+
+class TestWrappedLikeTheClient:
+    def test_rename_and_envoys_of_the_client_model(self, backend, mlp_model):
+        """A client model wrapped with rename= aliases and an envoys= class (the served MLP was
+        wrapped with neither) reads the same values by those names remotely as locally, equal
+        to the plain modules' outputs; the served model is left unwrapped."""
+        model = nnsight_lite.NNsight(mlp_model._module, rename={"0": "first", "4": ["head"]},
+                                     envoys={torch.nn.Linear: Doubled})
+        x = _x()
+
+        def run(**kw):
+            with model.trace(x, **kw):
+                first = model.first.output.save()
+                twice = model.head.twice.save()
+            return first, twice
+
+        remote, local = run(remote=True), run()
+        net = mlp_model._module
+        assert torch.equal(remote[0], local[0]) and torch.equal(remote[1], local[1])
+        torch.testing.assert_close(remote[0], net[0](x))
+        torch.testing.assert_close(remote[1], net(x) * 2)
+        with mlp_model.trace(x, remote=True):
+            plain = nnsight_lite.save(type(mlp_model[0]).__name__)
+            has_alias = nnsight_lite.save(hasattr(mlp_model, "first"))
+        assert plain == "Envoy" and has_alias is False
+
+
 class TestOnlySavedReturn:
     def test_unsaved_names_are_not_bound(self, backend, mlp_model):
         """Names a remote body binds without .save() are not bound in the caller."""
