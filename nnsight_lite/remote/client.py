@@ -86,6 +86,13 @@ class Backend:
             raise RemoteTimeoutError(
                 f"no reply from model {name!r} within {wait:g} s for the block at "
                 f"{block.filename}:{block.lineno}") from None
+        except ray.exceptions.ActorDiedError as exc:  # for good: stopped, or out of restarts
+            self._replicas.pop(name, None)  # the next request looks the replicas up again
+            raise RemoteError(
+                f"the replica of {name!r} that the block at {block.filename}:{block.lineno} "
+                f"was sent to has ended and will not restart ({type(exc).__name__}: stopped, or "
+                f"out of restarts); served now: {served()}. Run the block again once the model "
+                "is served (the next request looks its replicas up again)") from None
         except ray.exceptions.RayActorError as exc:
             raise RemoteError(
                 f"the replica serving {name!r} died during the request for the block at "

@@ -100,6 +100,29 @@ def test_killed_replica(cluster, mlp_model):
         remote.stop("mlp-kill")
 
 
+def test_stopped_model_says_so_and_a_new_serve_is_found(cluster, mlp_model):
+    """A request to a model whose replicas were stopped (after the backend used them) says the
+    replica ended and will not restart, not that Ray restarts it; once the model is served
+    again, the same backend finds the new replica and gives the local result."""
+    remote.serve(MLP_FACTORY, name="mlp-restop", num_cpus=0.25)
+    try:
+        model, x = mlp_model, _x()
+        backend = remote.Backend("mlp-restop")
+        with model.trace(x, backend=backend):
+            model.output.save()
+        remote.stop("mlp-restop")
+        with pytest.raises(RemoteError, match="has ended and will not restart") as info:
+            with model.trace(x, backend=backend):
+                model.output.save()
+        assert "restarts it" not in str(info.value) and "'mlp-restop'" in str(info.value)
+        remote.serve(MLP_FACTORY, name="mlp-restop", num_cpus=0.25)
+        with model.trace(x, backend=backend):
+            out = model.output.save()
+        torch.testing.assert_close(out, model._module(x))
+    finally:
+        remote.stop("mlp-restop")
+
+
 def test_policy_refuses_before_running_and_passes_ordinary_bodies(served, mlp_model):
     """A deployment served with policy=True refuses a body that imports a module, with
     PolicyError naming the user's file and line, and nothing of the body runs (its print never
