@@ -78,6 +78,12 @@ class Backend:
         import ray.exceptions
 
         name = self.name_for(model)
+        if not ray.is_initialized():  # (a call on a kept handle would start a new local Ray)
+            self._replicas.clear()
+            raise RemoteError(
+                f"the block at {block.filename}:{block.lineno} was to run on model {name!r}, but "
+                "this process is no longer connected to a Ray cluster (ray.shutdown() ran): "
+                "call nnsight_lite.remote.connect(address) again")
         replica = self.replica(name)
         wait = None if self.time_limit is None else self.time_limit + _SLACK
         try:

@@ -144,10 +144,24 @@ def serve(model: str, *, name: str | None = None, replicas: int = 1, num_cpus: f
     return handles
 
 
+def _connected(what: str) -> None:
+    """Raise unless this process has joined a Ray cluster: Ray's own functions would start a
+    new, empty local one instead (and find nothing served there)."""
+    import ray
+
+    if not ray.is_initialized():
+        from ..errors import RemoteError
+
+        raise RemoteError(f"{what} needs a Ray cluster, and this process has not joined one (or "
+                          "left it: ray.shutdown()); call nnsight_lite.remote.connect(address) "
+                          "or ray.init(address=...) first")
+
+
 def served() -> list:
     """The names of the models served on the connected cluster (sorted)."""
     import ray.util
 
+    _connected("remote.served()")
     names = set()
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor.get("namespace") == NAMESPACE and actor["name"].startswith(PREFIX):
@@ -160,6 +174,7 @@ def replicas_of(name: str) -> list:
     import ray
     import ray.util
 
+    _connected("finding the replicas of a served model")
     out = []
     for actor in ray.util.list_named_actors(all_namespaces=True):
         full = actor["name"]
@@ -173,6 +188,7 @@ def stop(name: str) -> int:
     """End every replica serving ``name``; return how many there were."""
     import ray
 
+    _connected(f"remote.stop({name!r})")
     handles = replicas_of(name)
     for h in handles:
         ray.kill(h, no_restart=True)

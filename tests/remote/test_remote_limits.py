@@ -123,6 +123,55 @@ def test_stopped_model_says_so_and_a_new_serve_is_found(cluster, mlp_model):
         remote.stop("mlp-restop")
 
 
+NOT_CONNECTED = """
+import ray, torch
+from nnsight_lite import remote
+from nnsight_lite.errors import RemoteError
+from nnsight_lite.remote.testing import mlp
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+         namespace="nnsight_lite", _node_ip_address="127.0.0.1",
+         runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+remote.serve("nnsight_lite.remote.testing:mlp", name="mlp", num_cpus=0.25)
+remote.connect(name="mlp")
+model, x = mlp(), torch.ones(2, 8)
+with model.trace(x, remote=True):
+    out = model.output.save()
+assert torch.allclose(out, model._module(x))
+ray.shutdown()
+for call in ("trace", "served", "stop"):
+    try:
+        if call == "trace":
+            with model.trace(x, remote=True):
+                out = model.output.save()
+        else:
+            getattr(remote, call)(*(("mlp",) if call == "stop" else ()))
+    except RemoteError as exc:
+        print(call, "RemoteError", str(exc).replace("\\n", " "))
+    print(call, "initialized", ray.is_initialized())
+"""
+
+
+def test_after_ray_shutdown_calls_say_so_and_start_no_cluster():
+    """After ray.shutdown() a remote trace (its backend holding a replica's handle),
+    remote.served() and remote.stop() raise RemoteError saying the process left the cluster;
+    none of them starts a new local Ray instance."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", f"ROOT = {root!r}" + NOT_CONNECTED],
+                          env={**os.environ, "PYTHONPATH": root}, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    for call in ("trace", "served", "stop"):
+        assert f"{call} initialized False" in lines, done.stdout
+        said = [ln for ln in lines if ln.startswith(f"{call} RemoteError")]
+        assert said and "remote.connect(address)" in said[0], done.stdout
+    assert done.stderr.count("Started a local Ray instance") == 1  # the one ray.init started
+
+
 def test_policy_refuses_before_running_and_passes_ordinary_bodies(served, mlp_model):
     """A deployment served with policy=True refuses a body that imports a module, with
     PolicyError naming the user's file and line, and nothing of the body runs (its print never
