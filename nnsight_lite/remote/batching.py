@@ -60,12 +60,17 @@ def handle(model, payload: bytes, options: dict) -> bytes:
                   request["filename"])
 
 
+_SAVE_DATA = ("Save data instead (tensors, numbers, strings, containers of those: list(gen), "
+              "a dict of tensors), or leave it unsaved")
+
+
 def finish(model, reply: dict, max_bytes, filename: str) -> bytes:
     """Pickle ``reply``; an error reply instead if that fails or exceeds ``max_bytes``."""
     try:
         data = wire.dumps(reply, model)
     except Exception as exc:  # noqa: BLE001
-        err = RemoteError(f"a saved value could not be pickled to send back: {exc!r}")
+        err = RemoteError(f"a saved value could not be pickled to send back: {exc!r}"
+                          f"{wire.unpicklable(reply['saved'], model, hint=_SAVE_DATA)}")
         return wire.dumps(dict(reply, saved={}, result=None,
                                error=describe(err, "", filename)), model)
     if max_bytes is not None and len(data) > max_bytes:

@@ -200,7 +200,8 @@ def run_remote(ctx, frame, model) -> None:
         raise
     except Exception as exc:
         raise RemoteError(f"the values the remote block at {block.filename}:{block.lineno} "
-                          f"reads could not be pickled: {exc!r}") from None
+                          f"reads could not be pickled: {exc!r}"
+                          f"{wire.unpicklable(values, model, by_value)}") from None
     data = backend.send(model, payload, block)
     backend.last_sent, backend.last_received = len(payload), len(data)
     reply = wire.loads(data, model)

@@ -148,6 +148,25 @@ def dumps(obj, root, by_value=None) -> bytes:
 _BY_VALUE = threading.Lock()
 
 
+_SEND_DATA = ("Make such a value inside the block, or send data (tensors, numbers, strings, "
+              "containers of those)")
+
+
+def unpicklable(values: dict, root, by_value=None, hint: str = _SEND_DATA) -> str:
+    """For a message: which of ``values`` (name -> value) cannot be pickled, and ``hint``."""
+    bad = []
+    for name, value in values.items():
+        try:
+            dumps(value, root, by_value)
+        except Exception:  # noqa: BLE001 - any failure names the value
+            cls = type(value)
+            where = "" if cls.__module__ == "builtins" else f"{cls.__module__}."
+            bad.append(f"`{name}` (a {where}{cls.__qualname__})")
+    if not bad:
+        return ""
+    return f"; the one(s) that cannot: {', '.join(bad)}. {hint}"
+
+
 def loads(data: bytes, root):
     """Unpickle ``data``, resolving model references against ``root``."""
     return _Unpickler(io.BytesIO(data), root).load()

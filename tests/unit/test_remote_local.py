@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import nnsight_lite
 from nnsight_lite import NNsight
 from nnsight_lite.errors import RemoteError
 
@@ -35,12 +36,27 @@ def test_a_value_that_cannot_ship_fails_as_on_a_cluster(seq):
     handle = seq.register_forward_hook(lambda m, i, o: calls.append(1))
     gen = (i for i in range(3))
     try:
-        with pytest.raises(RemoteError, match="could not be pickled"):
+        with pytest.raises(RemoteError, match="could not be pickled") as info:
             with model.trace(torch.randn(1, 6), remote="local"):
                 first = next(gen)  # noqa: F841
     finally:
         handle.remove()
     assert calls == []
+    assert "the one(s) that cannot: `gen` (a generator)" in str(info.value)
+
+
+def test_a_saved_value_that_cannot_ship_back_is_named(seq):
+    """A saved value the server cannot pickle back (a generator) gives RemoteError naming it
+    and saying to save data; the saved tensor beside it is not named, nothing is bound."""
+    model = NNsight(seq)
+    with pytest.raises(RemoteError, match="could not be pickled to send back") as info:
+        with model.trace(torch.randn(1, 6), remote="local"):
+            fine = model[0].output.save()
+            rows = nnsight_lite.save(r for r in model.output)
+    msg = str(info.value)
+    assert "the one(s) that cannot: `rows` (a generator). Save data instead" in msg
+    assert "`fine`" not in msg
+    assert "fine" not in locals() and "rows" not in locals()
 
 
 def test_tracer_result_after_the_block_is_as_local(seq):
