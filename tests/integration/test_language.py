@@ -772,6 +772,28 @@ def plain_generate(hf, enc, k, hooks=(), **kw):
 
 
 class TestGenerate:
+    def test_an_edit_acts_at_every_step_when_its_body_loops(self, lm, hf, arch):
+        """A persistent edit's body is a body like an invoke's: in a generate it acts at the
+        first step unless it loops over the steps (``for step in edited.all():``), then at
+        every step, as a hook does; the ids equal plain HF generate with such a hook."""
+        enc = lm.tokenizer(PROMPTS[0], return_tensors="pt")
+        block = layers(hf, arch)[1]
+        every = plain_generate(hf, enc, 3, hooks=[(block, lambda step, out: -out)])
+        first = plain_generate(hf, enc, 3, hooks=[(block, lambda step, out: -out if step == 0
+                                                   else out)])
+        assert not torch.equal(every, first)  # (the later steps' edit changes the tokens)
+        with lm.edit() as looped:
+            for step in looped.all():
+                layers(looped, arch)[1].output = -layers(looped, arch)[1].output
+        with lm.edit() as once:
+            layers(once, arch)[1].output = -layers(once, arch)[1].output
+        with looped.generate(PROMPTS[0], max_new_tokens=3, do_sample=False) as tracer:
+            pass
+        assert torch.equal(tracer.result, every)
+        with once.generate(PROMPTS[0], max_new_tokens=3, do_sample=False) as tracer:
+            pass
+        assert torch.equal(tracer.result, first)
+
     def test_tokens_equal_plain_generate(self, lm, hf):
         with lm.generate(PROMPTS[0], max_new_tokens=5, do_sample=False) as tracer:
             ids = lm.generator.output.save()
