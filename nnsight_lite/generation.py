@@ -173,6 +173,7 @@ class Generator(Tracer):
         # as the model's own code would run them (a body kept in the trace's grad mode would
         # edit values the forward made without grad with grad on, and an in-place edit of a
         # view that mixes in a tensor requiring grad, a steering vector, is then an error)
+        inter.no_grad_by = "model.generate (HF generate runs the model under torch.no_grad())"
         with torch.no_grad():
             return super()._interleave(inter, made, args, kwargs)
 

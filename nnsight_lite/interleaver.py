@@ -62,6 +62,8 @@ class Interleaver:
     #: how many steps an open ``tracer.iter[k:]`` / ``tracer.all()`` loop has at most (generate:
     #: max_new_tokens), or None where the model's calls alone end it
     steps: "int | None" = None
+    #: what runs the model without gradients, for errors about a loss that has none (generate)
+    no_grad_by: "str | None" = None
 
     def __init__(self, root: torch.nn.Module, total: int = 1, home: "dict | None" = None):
         self.root = root

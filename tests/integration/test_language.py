@@ -772,6 +772,24 @@ def plain_generate(hf, enc, k, hooks=(), **kw):
 
 
 class TestGenerate:
+    def test_a_backward_block_in_a_generate_names_generate(self, lm, arch):
+        """HF generate runs the model without gradients, so a loss read in a generate body has
+        none: the error names generate and says to take gradients in a trace."""
+        from nnsight_lite import GradientError
+
+        with pytest.raises(GradientError, match=r"runs in model\.generate .*with model\.trace"):
+            with lm.generate(PROMPTS[0], max_new_tokens=2, do_sample=False):
+                h = layers(lm, arch)[1].output
+                loss = lm.lm_head.output.sum()
+                with loss.backward():
+                    g = h.grad.save()
+        with lm.trace(PROMPTS[0]):  # (and in a trace, the same body works)
+            h = layers(lm, arch)[1].output
+            loss = lm.lm_head.output.sum()
+            with loss.backward():
+                g = h.grad.save()
+        assert g.abs().sum() > 0
+
     def test_an_edit_acts_at_every_step_when_its_body_loops(self, lm, hf, arch):
         """A persistent edit's body is a body like an invoke's: in a generate it acts at the
         first step unless it loops over the steps (``for step in edited.all():``), then at
