@@ -49,9 +49,13 @@ def handle(model, payload: bytes, options: dict) -> bytes:
     """Run one request alone and return its reply as wire bytes."""
     try:
         request = wire.loads(payload, model)
+        err = _other_model(model, request, options)
+    except wire.MissingModuleError as exc:  # module paths the served model does not have
+        err = _other_model(model, exc.loaded, options) or exc
     except Exception as exc:  # noqa: BLE001 - a value the server cannot rebuild
         err = RemoteError(f"the server could not unpickle the request's values: {exc!r} (a "
                           "value from a module the server cannot import? install it there)")
+    if err is not None:
         return wire.dumps({"error": describe(err, "", ""), "stdout": "", "saved": {}}, model)
     reply = execute(request, request["values"],
                     time_limit=_limit(options.get("time_limit"), request.get("time_limit")),
@@ -62,6 +66,20 @@ def handle(model, payload: bytes, options: dict) -> bytes:
 
 _SAVE_DATA = ("Save data instead (tensors, numbers, strings, containers of those: list(gen), "
               "a dict of tensors), or leave it unsaved")
+
+
+def _other_model(model, request: dict, options: dict):
+    """The error for a request traced on another kind of model than this one (a client
+    whose default backend names another served model), or None."""
+    theirs = request.get("model") if isinstance(request, dict) else None
+    ours = type(model._module).__qualname__
+    if theirs is None or theirs == ours:
+        return None
+    return RemoteError(
+        f"the block at {request['filename']}:{request['lineno']} traces a {theirs}, but the model "
+        f"served as {options.get('name', '?')!r} is a {ours}; send it to the served model that "
+        "matches: backend='name' or remote.Backend('name') in the trace, or "
+        "remote.connect(..., name=...) for the default")
 
 
 def finish(model, reply: dict, max_bytes, filename: str) -> bytes:
@@ -154,7 +172,7 @@ def handle_group(model, payloads: list, options: dict) -> list:
         except Exception:  # noqa: BLE001 - handle() gives this request its error reply
             requests.append(None)
     together = [i for i, r in enumerate(requests) if r is not None and r.get("inputs")
-                and not options.get("policy")]
+                and not options.get("policy") and _other_model(model, r, options) is None]
     replies: list = [None] * len(payloads)
     if len(together) > 1:
         batch = [requests[i] for i in together]

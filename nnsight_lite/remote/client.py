@@ -190,7 +190,8 @@ def run_remote(ctx, frame, model) -> None:
     values = wire.caller_values(frame, block.names)
     request = {"source": block.source, "filename": block.filename, "lineno": block.lineno,
                "values": values, "time_limit": backend.time_limit,
-               "max_bytes": backend.max_bytes, "inputs": _batch_inputs(ctx, model, block)}
+               "max_bytes": backend.max_bytes, "inputs": _batch_inputs(ctx, model, block),
+               "model": type(model._module).__qualname__}  # (the server checks it serves one)
     module = sys.modules.get(frame.f_globals.get("__name__", ""))
     by_value = module if module is not None and module.__name__ != "__main__" and \
         not module.__name__.startswith(("nnsight_lite", "torch")) else None

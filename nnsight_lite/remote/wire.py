@@ -87,6 +87,7 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(file)
         self._root = root
         self._named: dict = {}  # id(names) -> root with those aliases and Envoy classes
+        self.missing: list = []  # module paths this side's model does not have
 
     def _base(self, names):
         """The root with the sender's aliases and Envoy classes (``rename=``, ``envoys=``)."""
@@ -108,8 +109,12 @@ class _Unpickler(pickle.Unpickler):
             return root.generator
         if kind == "envoy":
             envoy = self._base(pid[2])
-            for part in pid[1].split("."):
-                envoy = envoy._reach(part)
+            try:
+                for part in pid[1].split("."):
+                    envoy = envoy._reach(part)
+            except AttributeError:  # raised by loads() once the rest is read (see there)
+                self.missing.append(pid[1])
+                return None
             return envoy
         if kind == "root":
             return _with_edits(self._base(pid[2]), pid[1])
@@ -167,9 +172,26 @@ def unpicklable(values: dict, root, by_value=None, hint: str = _SEND_DATA) -> st
     return f"; the one(s) that cannot: {', '.join(bad)}. {hint}"
 
 
+class MissingModuleError(RemoteError):
+    """The data names modules that ``root`` does not have; ``loaded`` is what was read (the
+    request, whose header may say why: traced on another model)."""
+
+    def __init__(self, message: str, loaded):
+        super().__init__(message)
+        self.loaded = loaded
+
+
 def loads(data: bytes, root):
     """Unpickle ``data``, resolving model references against ``root``."""
-    return _Unpickler(io.BytesIO(data), root).load()
+    unpickler = _Unpickler(io.BytesIO(data), root)
+    loaded = unpickler.load()
+    if unpickler.missing:
+        paths = ", ".join(repr(p) for p in dict.fromkeys(unpickler.missing))
+        raise MissingModuleError(
+            f"the values sent name the module(s) {paths}, which the model here (a "
+            f"{type(root._module).__name__}) does not have: was the trace sent to the served "
+            "model it was written for?", loaded)
+    return loaded
 
 
 # --------------------------------------------------------------------------- the shipped block

@@ -3,6 +3,7 @@ results equal the same code run on a local copy with the weights loaded."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import nnsight_lite
@@ -112,3 +113,29 @@ class TestWire:
         same(remote[0], local[0])
         same(remote[1], local[1])
         assert not torch.allclose(remote[0], remote[1])  # the edit changed the logits
+
+
+class TestOtherServedModel:
+    def test_a_trace_sent_to_another_kind_of_model_says_so(self, gpt2_meta):
+        """A GPT-2 trace sent to the served MLP (a default backend naming another model) fails
+        with RemoteError naming both model classes and the block's line, whether the body
+        reaches modules itself or reads an Envoy from the caller; the MLP still serves."""
+        from nnsight_lite import remote
+        from nnsight_lite.errors import RemoteError
+        from nnsight_lite.remote.testing import mlp
+
+        model = gpt2_meta
+        layer = model.transformer.h[0]
+        want = "traces a GPT2LMHeadModel, but the model served as 'mlp' is a Sequential"
+        with pytest.raises(RemoteError, match=want) as info:
+            with model.trace(PROMPT, backend="mlp"):
+                model.transformer.h[0].output.save()
+        assert f"{__file__}:" in str(info.value)
+        with pytest.raises(RemoteError, match=want):
+            with model.trace(PROMPT, backend=remote.Backend("mlp")):
+                layer.output.save()
+        net = mlp()
+        x = torch.ones(2, 8)
+        with net.trace(x, backend="mlp"):
+            out = net.output.save()
+        torch.testing.assert_close(out, net._module(x))
