@@ -209,6 +209,8 @@ def run_remote(ctx, frame, model) -> None:
     backend.last_batch = reply.get("batch", 1)
     if reply.get("stdout"):
         sys.stdout.write(reply["stdout"])
+    if reply.get("stderr"):
+        sys.stderr.write(reply["stderr"])
     if reply.get("error") is not None:
         raise rebuild(reply["error"])
     result = reply.get("result", _MISSING)

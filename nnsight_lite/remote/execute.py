@@ -71,10 +71,11 @@ def compile_body(source: str, filename: str, lineno: int, tail: "list | None" = 
 
 
 def execute(request: dict, values: dict, *, time_limit: float | None = None, policy=None) -> dict:
-    """Run one request; return ``{"saved", "result", "stdout", "error"}`` (see the docstring)."""
+    """Run one request; return ``{"saved", "result", "stdout", "stderr", "error"}`` (see the
+    module docstring)."""
     source, filename = request["source"], request["filename"]
-    out = io.StringIO()
-    reply = {"saved": {}, "result": _MISSING, "stdout": "", "error": None}
+    out, err = io.StringIO(), io.StringIO()
+    reply = {"saved": {}, "result": _MISSING, "stdout": "", "stderr": "", "error": None}
     synthetic = filename
     try:
         if policy is not None:
@@ -82,7 +83,8 @@ def execute(request: dict, values: dict, *, time_limit: float | None = None, pol
         code, synthetic = compiled(source, filename)
         scope = {"__builtins__": builtins, "__name__": "__nnsight_remote__", **values}
         before = dict(scope)
-        with Deadline(time_limit), serving(), contextlib.redirect_stdout(out):
+        with Deadline(time_limit), serving(), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):  # warnings, logging's last-resort handler
             exec(code, scope)
         reply["saved"], reply["result"] = _collect(scope, before)
     except _Stopped as exc:
@@ -94,7 +96,7 @@ def execute(request: dict, values: dict, *, time_limit: float | None = None, pol
         reply["error"] = describe(stopped, synthetic, filename)
     except Exception as exc:  # noqa: BLE001 - every failure goes back to the client
         reply["error"] = describe(exc, synthetic, filename)
-    reply["stdout"] = out.getvalue()
+    reply["stdout"], reply["stderr"] = out.getvalue(), err.getvalue()
     if reply["result"] is _MISSING:  # (a sentinel: pickled, it would arrive as another object)
         del reply["result"]
     return reply

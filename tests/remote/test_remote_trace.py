@@ -213,6 +213,19 @@ class TestErrorsAndOutput:
             print("rows:", model[0].output.shape[0])
         assert "rows: 3" in capsys.readouterr().out
 
+    def test_stderr_and_warnings_reach_client(self, backend, mlp_model, capsys):
+        """What a remote body writes to stderr (a print to sys.stderr, warnings.warn) shows on
+        the client's stderr, as it does when the body runs locally."""
+        import sys
+        import warnings
+
+        model = mlp_model
+        with model.trace(_x(), remote=True):
+            print("rows on stderr:", model[0].output.shape[0], file=sys.stderr)
+            warnings.warn(f"odd width {model[0].output.shape[1]}")
+        err = capsys.readouterr().err
+        assert "rows on stderr: 3" in err and "odd width 16" in err
+
     def test_unknown_model_lists_served(self, served, mlp_model):
         """A model name that is not served gives a RemoteError listing what is."""
         from nnsight_lite import remote
