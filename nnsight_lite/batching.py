@@ -22,7 +22,13 @@ from .errors import BatchingError
 
 
 def _is_batch_tensor(x, total: int) -> bool:
-    return isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == total
+    """Whether ``x`` is a tensor whose first dimension is the batch's ``total`` rows."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return False
+    try:
+        return x.shape[0] == total
+    except RuntimeError:  # a nested tensor (TransformerEncoder's fast path) has no sizes: it
+        return False  # reaches every invoke whole, as any value not shaped by the batch
 
 
 def narrow(value: Any, start: int, size: int, total: int) -> Any:

@@ -208,7 +208,7 @@ class _Observer:
         """``value`` as stored: this invoke's rows, detached, moved and cast as asked."""
         if isinstance(value, torch.Tensor):
             rows = self.rows
-            if rows is not None and value.dim() > 0 and value.shape[0] == self.total:
+            if rows is not None and batching._is_batch_tensor(value, self.total):
                 value = value[rows[0]:rows[0] + rows[1]]
             if self.detach:
                 value = value.detach()

@@ -245,6 +245,38 @@ class TestBatching:
         assert any("invoke 1" in n for n in notes), notes
 
 
+def test_a_nested_tensor_inside_the_forward_reaches_every_invoke_whole():
+    """nn.TransformerEncoder in eval mode with a padding mask runs its layers on a nested
+    tensor, which has no sizes: two invokes raised torch's "NestedTensorImpl doesn't support
+    sizes" from inside the forward. A nested value is not split by invoke (as any value whose
+    first dimension is not the batch): each invoke reads the whole of it, and the padded
+    output is still split into each invoke's rows."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    enc = torch.nn.TransformerEncoder(layer, 2).eval()
+    model = NNsight(enc)
+    x = torch.randn(2, 5, 16)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    with torch.no_grad():
+        seen, ref = record(enc, ["layers.0"], x, src_key_padding_mask=mask)
+        h_ref = seen[("layers.0", 0)]
+        assert h_ref.is_nested  # (the fast path this is about)
+        with model.trace() as tracer:
+            with tracer.invoke(x[:1], src_key_padding_mask=mask[:1]):
+                a = model.layers[0].output.save()
+                out_a = model.output.save()
+            with tracer.invoke(x[1:], src_key_padding_mask=mask[1:]):
+                b = model.layers[0].output.save()
+                out_b = model.output.save()
+            with tracer.invoke():
+                cache = tracer.cache(modules=[model.layers[0]])
+    for h in (a, b, cache["model.layers.0"].output):
+        assert h.is_nested
+        assert torch.equal(h.to_padded_tensor(0.0), h_ref.to_padded_tensor(0.0))
+    torch.testing.assert_close(torch.cat([out_a, out_b]), ref, equal_nan=True)
+
+
 def test_nnsight_barrier_idiom_still_works(seq):
     """nnsight's barrier example runs unchanged: invoke 1 patches in invoke 0's value."""
     model = NNsight(seq)
