@@ -6,20 +6,26 @@
 
 An Envoy holds no state of a trace: reading ``.output`` asks the body's Mediator (found from
 the running greenlet) for the value, which waits until the model produces it.
+
+Envoy takes two groups of its names from mixins in modules of their own, since neither
+touches a trace's values: envoy_containers.py (``envoy[i]``, loops, ``len``, ``modules()``,
+``children()``) and envoy_names.py (``device``, ``parent``, ``root``, ``get``, and ``trace``
+of a module on its own: names a module's own child or attribute comes before).
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-import itertools
 import threading
 import weakref
 
 import torch
 
 from .aliases import Tree, tree_repr
-from .errors import ModulePathError, NotAContainerError
+from .envoy_containers import Containers
+from .envoy_names import ModuleFirst
+from .errors import ModulePathError
 from .mediator import INPUT, OUTPUT, current_mediator
 from .workers import _getcurrent, user_location
 
@@ -82,24 +88,7 @@ if not hasattr(torch.Tensor, "value"):
     torch.Tensor.value = property(_old_value)
 
 
-_NOT_OWN = object()  # Envoy._own: the module has no such child or attribute
-
-
-def _module_first(fn):
-    """An Envoy property that a module's own child or attribute of the same name comes before
-    (``model.blk.scan`` is the child named ``scan`` where there is one): ``fn(envoy)`` only
-    where the module has none."""
-    name = fn.__name__
-
-    def get(self):
-        own = self._own(name)
-        return fn(self) if own is _NOT_OWN else own
-
-    get.__doc__ = fn.__doc__
-    return property(get)
-
-
-class Envoy:
+class Envoy(ModuleFirst, Containers):
     """A module as seen from a trace body.
 
     Example::
@@ -187,103 +176,11 @@ class Envoy:
         mpath = self._mpath
         return f"model.{mpath}" if mpath else "model"
 
-    @_module_first
-    def device(self):
-        """The module's own ``device`` where it has one (an HF model, a module that sets
-        ``self.device``; a child module named ``device`` gives its Envoy), else the device of
-        its first parameter or buffer (None for a module with neither): ``x.to(model.device)``."""
-        module = self._module
-        for t in itertools.chain(module.parameters(), module.buffers()):
-            return t.device
-        return None
-
-    # ---- a module traced on its own (nnsight's Envoy.trace on any module)
-
-    def _alone(self):
-        """This module wrapped on its own (made once, kept here): what ``trace``, ``scan``,
-        ``session``, ``edit`` and ``clear_edits`` of an Envoy below the model's run."""
-        d = self.__dict__
-        alone = d.get("_wrapped_alone")
-        if alone is None or alone._module is not d["_module"]:
-            from .model import NNsight
-
-            alone = d["_wrapped_alone"] = NNsight(d["_module"])
-        return alone
-
-    @_module_first
-    def trace(self):
-        """Trace this module on its own, as a model: ``with model.transformer.h[0].mlp.trace(h):``.
-        Bodies read its modules through any Envoy of them (``model.transformer.h[0].mlp.c_fc``
-        or the ones of the trace's own ``tracer.model``). A child module named ``trace`` comes
-        first, as for ``scan``, ``session``, ``edit`` and ``clear_edits``."""
-        return self._alone().trace
-
-    @_module_first
-    def scan(self):
-        """``scan`` of this module on its own (see ``trace``)."""
-        return self._alone().scan
-
-    @_module_first
-    def session(self):
-        """``session`` of this module on its own (see ``trace``)."""
-        return self._alone().session
-
-    @_module_first
-    def edit(self):
-        """A persistent edit of this module on its own: replayed by its own ``trace`` (as in
-        nnsight, a trace of the whole model does not run it)."""
-        return self._alone().edit
-
-    @_module_first
-    def clear_edits(self):
-        """Remove the edits recorded with this module's own ``edit``."""
-        return self._alone().clear_edits
-
-    @_module_first
-    def devices(self) -> set:
-        """The devices of the module's parameters and buffers (``{device(type='cpu')}``)."""
-        module = self._module
-        return {t.device for t in itertools.chain(module.parameters(), module.buffers())}
-
-    @_module_first
-    def parent(self):
-        """The Envoy of the module this one is a child of (None for the model itself)."""
-        ref = self.__dict__["_parent"]
-        return ref() if ref is not None else None
-
-    @_module_first
-    def root(self):
-        """The Envoy of the whole model (``model``) this one belongs to."""
-        env = self
-        while (ref := env.__dict__["_parent"]) is not None and ref() is not None:
-            env = ref()
-        return env
-
-    @_module_first
-    def get(self):
-        """``model.get(path)``: the Envoy (or attribute, or value) at the dotted ``path`` under
-        this one, as nnsight's ``Envoy.get``: ``model.get("transformer.h.0.mlp")``, and in a
-        body ``model.get("transformer.h.0.mlp.output")``; digits index containers. A module's
-        own ``get`` (a method, a child module named so) comes first."""
-        return self._get_path
-
     def _get_path(self, path: str):
         env = self
         for part in path.split(".") if path else ():  # (a digit names a container's child)
             env = env._reach(part) if isinstance(env, Envoy) else getattr(env, part)
         return env
-
-    def _own(self, name: str):
-        """What ``name`` is on the module itself, a child module's Envoy first (_NOT_OWN where
-        it is neither a child nor an attribute): Envoy names that a module may also have
-        (see ``_module_first``)."""
-        module = self.__dict__["_module"]
-        if module._modules.get(name) is not None:
-            return self._sub(name)
-        try:
-            return getattr(module, name)
-        except AttributeError:
-            return _NOT_OWN
 
     def next(self, step: int = 1) -> "Envoy":
         """Move every later read of this body to the next call (generation step), as
@@ -423,39 +320,6 @@ class Envoy:
 
         return call
 
-    def modules(self, include_fn=None, names: bool = False) -> list:
-        """Every Envoy in this subtree, this one first, in ``torch.nn.Module.modules()`` order
-        (``names=True``: ``(path, envoy)`` pairs, each path the Envoy's ``.path``, nnsight's
-        ``"model.transformer.h.0"``, which is also its key in a ``tracer.cache()``).
-        ``include_fn(envoy)`` filters.
-
-        Example::
-
-            linears = [e for e in model.modules() if isinstance(e._module, torch.nn.Linear)]
-        """
-        out = []
-        seen = set()
-        stack = [self]
-        while stack:
-            env = stack.pop()
-            if id(env._module) in seen:
-                continue
-            seen.add(id(env._module))
-            if include_fn is None or include_fn(env):
-                out.append((env.path, env) if names else env)
-            stack.extend(reversed([env._sub(n) for n, m in env._module._modules.items()
-                                   if m is not None]))
-        return out
-
-    def named_modules(self, *args, **kwargs) -> list:
-        """``modules(names=True)``: ``(path, envoy)`` pairs for this subtree, paths as
-        ``.path`` gives them (``"model.transformer.h.0"``, the ``tracer.cache()`` keys)."""
-        return self.modules(*args, names=True, **kwargs)
-
-    def children(self) -> list:
-        """The Envoys of this module's direct children."""
-        return [self._sub(n) for n, m in self._module._modules.items() if m is not None]
-
     def _no_such(self, name: str) -> ModulePathError:
         children = list(self._module._modules)
         aliases = list(self._tree.aliases.get(self._mpath, ()))
@@ -481,88 +345,6 @@ class Envoy:
         setattr(self._module, name, value)
         if isinstance(self.__dict__.get(name), Envoy):  # a child Envoy held for a trace
             del self.__dict__[name]
-
-    def __getitem__(self, key):
-        items = self._items
-        try:
-            hit = items.get(key)  # (slices are never kept there)
-        except TypeError:  # an unhashable key: a slice before Python 3.12
-            hit = None
-        if hit is not None:  # still the same module at that position?
-            env, name, length = hit
-            children = self._module._modules
-            if len(children) == length and children.get(name) is env._module:
-                return env
-        if isinstance(key, str) and self._tree.alias(self._mpath, key) is not None:
-            return getattr(self, key)  # an alias of a ModuleList entry: h["second_layer"]
-        try:
-            sub = self._module[key]
-        except (IndexError, KeyError, TypeError) as exc:
-            raise self._bad_index(key, exc) from None
-        if isinstance(key, slice):
-            return [self[i] for i in range(len(self._module))[key]]
-        if not isinstance(sub, torch.nn.Module):
-            return sub
-        children = self._module._modules
-        name = next((n for n, m in children.items() if m is sub), None)
-        if name is not None:
-            env = self._sub(name, f"{self._path}[{key!r}]")
-        else:
-            env = self._child(sub, str(key), f"{self._path}[{key!r}]")
-        if name is not None:
-            items[key] = (env, name, len(children))
-        return env
-
-    def __iter__(self):
-        editor = self.__dict__.pop("_unpacking", None)
-        if editor is not None:  # `with model.edit() as (tracer, edited):` (tracing.Editor)
-            return iter((editor, self))
-        module = self._module
-        if isinstance(module, torch.nn.ModuleDict):  # its children's Envoys, as in nnsight
-            return (self[k] for k in list(module.keys()))  # (torch's loop gives the keys)
-        return (self[i] for i in range(len(self)))
-
-    def __contains__(self, item) -> bool:
-        """A key of a ModuleDict (as torch's ``in``); else whether ``item`` is one of the
-        children's Envoys or modules."""
-        module = self._module
-        if isinstance(module, torch.nn.ModuleDict) and isinstance(item, str):
-            return item in module
-        return any(item is env or item is env._module for env in self)
-
-    def __bool__(self) -> bool:
-        """True, as for any module; an empty ModuleList/Sequential/ModuleDict's Envoy is False
-        (``if model:`` and ``model or default`` do not go through ``len()``)."""
-        try:
-            return len(self._module) > 0
-        except TypeError:
-            return True
-
-    def __len__(self) -> int:
-        try:
-            return len(self._module)
-        except TypeError:
-            pass
-        raise self._not_a_container("len(), loops and unpacking work")
-
-    def _not_a_container(self, works: str, child: str = "a child by its name (print(model) "
-                         "lists them)", lead: str = "") -> NotAContainerError:
-        return NotAContainerError(
-            f"{lead}{self._path} ({type(self._module).__name__}) is not a container of modules: "
-            f"{works} on the Envoys of ModuleList, Sequential and ModuleDict; reach {child}.")
-
-    def _bad_index(self, key, exc: Exception) -> Exception:
-        """Why ``envoy[key]`` failed: a key the container does not have, or no container."""
-        module = self._module
-        try:
-            length = len(module)
-        except TypeError:
-            child = (f"it as {self._path}.{key}" if isinstance(key, str) and key in module._modules
-                     else "a child as an attribute, by its name (print(model) lists them)")
-            return self._not_a_container("indexing works", child,
-                                         f"{self._path}[{key!r}] at {user_location()}: ")
-        return type(exc)(f"{self._path}[{key!r}]: {exc} ({type(module).__name__} of length "
-                         f"{length})")
 
     def __call__(self, *args, hook: bool = False, **kwargs):
         """Call the module. From a body this is an ordinary call, not one of the traced
