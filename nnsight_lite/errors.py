@@ -10,8 +10,8 @@ points at the user's own code. Exceptions the user's code raises are never wrapp
 the caller unchanged, after the trace has removed its hooks and finished every body. Context is
 added as notes (``add_note``): which invoke's body raised, where a trace runs several; that a
 persistent edit's body raised (named by its ``with model.edit(...)`` line); and, on an error the
-model's own forward raises, each earlier replacement of a value by one of another shape (module
-path, invoke, line, both shapes: tracebacks.record_reshape).
+model's own forward raises, each earlier replacement of a value by one of another shape, dtype
+or device (module path, invoke, line, both values: tracebacks.record_reshape).
 
     NNsightError
     ├── OutOfOrderError        (RuntimeError)   a value requested after its module already ran

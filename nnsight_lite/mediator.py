@@ -280,7 +280,8 @@ class Mediator:
         else:
             old = self.get(envoy, kind)
         if value is not old and (value.__class__ is not _Tensor or old.__class__ is not _Tensor
-                                 or value.shape != old.shape):
+                                 or value.shape != old.shape or value.dtype is not old.dtype
+                                 or value.device != old.device):
             record_reshape(self, envoy, kind, old, value)  # noted on an error it may lead to
         self.cur_value = value
         self.replaced = True

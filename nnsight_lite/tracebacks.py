@@ -4,8 +4,8 @@
     clean(exc)             rewrite ``exc``'s traceback and context in place, unless
                            ``CONFIG.APP.DEBUG`` (or ``NNSIGHT_LITE_FULL_TRACEBACK=1`` at import)
                            asks for every frame, for debugging the runtime
-    record_reshape(...)    a body replaced a module value with one of another shape: remember
-                           who, where and the two shapes (called on the replacement path only)
+    record_reshape(...)    a body replaced a module value with one of another shape, dtype or
+                           device: remember who, where and both (on the replacement path only)
     record_skip(...)       a body skipped a module with a value of another shape than its input
     note_reshaped(exc, r)  an error the model's forward raised after such replacements gets a
                            note naming each (the module path, the invoke, the user's line)
@@ -121,15 +121,23 @@ def _locals_of(frame) -> dict:
     return names
 
 
+def _same_kind(a, b) -> bool:
+    """Whether tensors ``a`` and ``b`` agree in shape, dtype and device (what the layers after
+    a replaced value depend on: a float32 steering vector added to a bfloat16 activation makes
+    the next matmul fail on dtypes, far from the line that did it)."""
+    return a.shape == b.shape and a.dtype is b.dtype and a.device == b.device
+
+
 def _shape_change(old, new, depth: int = 2):
-    """``(where, old, new)`` for the first tensor of ``new`` whose shape differs from the one
-    at the same place in ``old`` (``where`` an index path like ``[0][1]``); None if none.
-    Looks ``depth`` levels into tuples, lists and dicts (an input is ``(args, kwargs)``)."""
+    """``(where, old, new)`` for the first tensor of ``new`` whose shape, dtype or device
+    differs from the one at the same place in ``old`` (``where`` an index path like ``[0][1]``);
+    None if none. Looks ``depth`` levels into tuples, lists and dicts (an input is
+    ``(args, kwargs)``)."""
     if old is new:
         return None
     if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
         if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) \
-                and old.shape == new.shape:
+                and _same_kind(old, new):
             return None
         return "", old, new
     if depth and isinstance(old, (tuple, list)) and isinstance(new, (tuple, list)):
@@ -145,18 +153,37 @@ def _shape_change(old, new, depth: int = 2):
     return None
 
 
-def _what(v) -> str:
-    if isinstance(v, torch.Tensor):
-        return f"a tensor of shape {tuple(v.shape)}"
-    return f"a {type(v).__name__}"
+def _what(v, other=None) -> str:
+    """``v`` in a note; its dtype and device too where they differ from ``other``'s."""
+    if not isinstance(v, torch.Tensor):
+        return f"a {type(v).__name__}"
+    known = isinstance(other, torch.Tensor)
+    dtype = f"{str(v.dtype).removeprefix('torch.')} " if known and v.dtype is not other.dtype \
+        else ""
+    device = f" on {v.device}" if known and v.device != other.device else ""
+    return f"a {dtype}tensor of shape {tuple(v.shape)}{device}"
+
+
+def _advice(target: str, was, now) -> str:
+    """What to do about a replacement of another shape, or of the same shape but another
+    dtype or device (``.to(...)`` with what the model had there)."""
+    if isinstance(was, torch.Tensor) and isinstance(now, torch.Tensor) \
+            and was.shape == now.shape:
+        to = [repr(str(was.device))] if was.device != now.device else []
+        if was.dtype is not now.dtype:
+            to.append(str(was.dtype))
+        return (f"Convert it to what the model produced there (`.to({', '.join(to)})`), or "
+                f"edit the value in place (`{target}[:] = ...` converts it).")
+    return (f"Give it the shape the model produced there, or edit the value in place "
+            f"(`{target}[:] = ...`).")
 
 
 def record_reshape(med, envoy, kind: str, old, new) -> None:
     """Called when ``med``'s body sets ``envoy``'s ``kind`` (``"output"``/``"input"``) to
     ``new`` where the model produced ``old``: if a tensor in it changes shape, keep a line
     saying so on the trace's interleaver, for :func:`note_reshaped`."""
-    if new.__class__ is _TENSOR and old.__class__ is _TENSOR and new.shape == old.shape:
-        return  # (the usual case, first: plain tensors of one shape)
+    if new.__class__ is _TENSOR and old.__class__ is _TENSOR and _same_kind(new, old):
+        return  # (the usual case, first: plain tensors of one shape, dtype and device)
     found = _shape_change(old, new)
     if found is None:
         return
@@ -167,9 +194,8 @@ def record_reshape(med, envoy, kind: str, old, new) -> None:
         name = f".{kind}{where}"
     target = envoy._path + name
     _keep(med, f"nnsight_lite: this may come from a replaced value: {target}{_call(med)} was "
-          f"set by {med.label()} at {user_location()} to {_what(now)} in place of {_what(was)}. "
-          f"Give it the shape the model produced there, or edit the value in place "
-          f"(`{target}[:] = ...`).")
+          f"set by {med.label()} at {user_location()} to {_what(now, was)} in place of "
+          f"{_what(was, now)}. {_advice(target, was, now)}")
 
 
 def record_skip(med, envoy, value) -> None:

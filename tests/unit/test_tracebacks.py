@@ -187,6 +187,35 @@ class TestWrongShapeReplacement:
                                "model[2].input was set by invoke 1 at ")
         assert "a tensor of shape (1, 5) in place of a tensor of shape (1, 8)" in note
 
+    def test_output_of_another_dtype(self):
+        """A bfloat16 model whose activation a body replaces with a float32 value of the same
+        shape (a float32 steering vector added to it): the next layer fails on the dtypes, as
+        it does with a plain forward hook returning that value, and the error names the
+        replaced output, this line and both dtypes, with the conversion to write."""
+        net = _net().to(torch.bfloat16)
+        x = torch.randn(2, 4, dtype=torch.bfloat16)
+        steer = torch.ones(8)  # float32
+        handle = net[1].register_forward_hook(lambda m, i, out: out + steer)
+        with pytest.raises(RuntimeError) as plain:
+            net(x)
+        handle.remove()
+        model = NNsight(net)
+        with pytest.raises(RuntimeError) as info:
+            with model.trace(x):
+                model[1].output = model[1].output + steer  # promoted to float32
+        line = inspect.currentframe().f_lineno - 1
+        assert str(info.value) == str(plain.value)
+        assert _notes(info.value) == [
+            "nnsight_lite: this may come from a replaced value: model[1].output was set by "
+            f"invoke 0 at {__file__}:{line} to a float32 tensor of shape (2, 8) in place of a "
+            "bfloat16 tensor of shape (2, 8). Convert it to what the model produced there "
+            "(`.to(torch.bfloat16)`), or edit the value in place (`model[1].output[:] = ...` "
+            "converts it)."]
+        with model.trace(x):  # what the note says to write works, and equals the hook's result
+            model[1].output = (model[1].output + steer).to(torch.bfloat16)
+            out = model.output.save()
+        torch.testing.assert_close(out, net[2]((net[1](net[0](x)) + steer).to(torch.bfloat16)))
+
     def test_a_skip_with_a_value_of_another_shape(self):
         """.skip(value) where value's shape is not the module's input's (a skipped layer mostly
         passes that shape on): the model's error names the skipped module, the invoke, this
