@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import re
 import threading
 import weakref
 
@@ -25,7 +26,7 @@ import torch
 from .aliases import Tree, tree_repr
 from .envoy_containers import Containers
 from .envoy_names import ModuleFirst
-from .errors import ModulePathError
+from .errors import ModulePathError, OutOfOrderError
 from .mediator import INPUT, OUTPUT, current_mediator
 from .workers import _getcurrent, user_location
 
@@ -134,7 +135,12 @@ class Envoy(ModuleFirst, Containers):
     @property
     def inputs(self):
         """``(args, kwargs)`` the module is called with, at the current call."""
-        return current_mediator(self, "inputs").get(self, INPUT)
+        try:
+            return current_mediator(self, "inputs").get(self, INPUT)
+        except OutOfOrderError as exc:  # (the input stage is named .input: say what was read)
+            exc.args = tuple(re.sub(rf"(for {re.escape(self._path)})\.input\b", r"\1.inputs",
+                                    a, count=1) if isinstance(a, str) else a for a in exc.args)
+            raise
 
     @inputs.setter
     def inputs(self, value):

@@ -45,6 +45,24 @@ class _Routed(torch.nn.Module):
 
 
 class TestOrderErrors:
+    def test_errors_about_inputs_name_inputs(self, seq):
+        """``.inputs`` read out of order, or of a module that never runs, is named ``.inputs``
+        in the error (the input stage is ``.input`` inside: it said what the body never read),
+        while the forward's own position keeps its name."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with pytest.raises(OutOfOrderError, match=r"asked for model\[1\]\.inputs at .*now at "
+                                                   r"model\[2\]\.output"):
+            with model.trace(x):
+                b = model[2].output
+                a = model[1].inputs
+        routed = _Routed()
+        routed.heads["b"] = torch.nn.Linear(8, 8)  # never called
+        model = NNsight(routed)
+        with pytest.raises(MissedModuleError, match=r"waited for model\.heads\.b\.inputs at"):
+            with model.trace(torch.randn(2, 8)):
+                a = model.heads.b.inputs
+
     def test_out_of_order_names_module_invoke_and_line(self, seq):
         model = NNsight(seq)
         x = torch.randn(2, 6)
