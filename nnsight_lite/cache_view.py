@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Mapping
 
 from .envoy import Envoy
+from .errors import CacheKeyError
 from .mediator import _MISSING
 
 
@@ -84,7 +85,7 @@ class Entry:
         for n in (f"{name}.{key}" if name else key,) + ((full,) if full is not None else ()):
             if _within(n, name) and n in records:
                 return self._view().__getitem__(_key(n))
-        raise KeyError(f"{key!r} is not a module inside {_key(name)} in this cache; its keys: "
+        raise CacheKeyError(f"{key!r} is not a module inside {_key(name)} in this cache; its keys: "
                        f"{', '.join(self.keys()[:8])}")
 
     def _records(self):
@@ -179,7 +180,7 @@ class CacheView(Mapping):
                 "" if key == "model" else _MISSING)
             if name is not _MISSING and name in self._records:
                 return self._give(name)
-            raise KeyError(self._missing(key))
+            raise CacheKeyError(self._missing(key))
         return _Node(self, self._need_root(), None)[key]  # cache[0]: as model[0] (Sequential)
 
     def __iter__(self):

@@ -26,6 +26,7 @@ or device (module path, invoke, line, both values: tracebacks.record_reshape).
     ├── InferenceModeSwitchError (RuntimeError) waiting for a value inside torch.inference_mode()
     ├── GradientError          (RuntimeError)   .grad / backward misuse (outside a backward block...)
     ├── CacheError             (ValueError)     tracer.cache() where it cannot record everything
+    │   └── CacheKeyError      (KeyError, AttributeError)  a key a cache view does not hold
     ├── PolicyError            (PermissionError) a remote body the deployment's allow-list refuses
     └── RemoteError            (RuntimeError)   a remote run failed outside the body (see remote/)
         ├── RemoteTimeoutError (TimeoutError)   the body ran past the request's time limit
@@ -106,6 +107,13 @@ class GradientError(NNsightError, RuntimeError):
 class CacheError(NNsightError, ValueError):
     """``tracer.cache()`` called where it cannot record what it was asked to (after the body
     already read a model value, in a trace body that only sets up invokes, ...)."""
+
+
+class CacheKeyError(CacheError, KeyError, AttributeError):
+    """A cache view (or entry) indexed by a key it does not hold. A ``KeyError``, as a mapping's
+    miss is (``view.get(key)``, ``key in view``), and an ``AttributeError``, as nnsight's is."""
+
+    __str__ = BaseException.__str__  # (KeyError's would show the message in quotes)
 
 
 class PolicyError(NNsightError, PermissionError):

@@ -332,6 +332,13 @@ class TestNavigation:
             cache.inp.output
         with pytest.raises(KeyError, match=r"did you mean .{0,3}model\.head"):
             cache["model.haed"]
+        # nnsight's miss is an AttributeError: code catching that works too, and the message
+        # is shown without KeyError's quotes; a mapping's get() and `in` still answer
+        with pytest.raises(AttributeError) as info:
+            cache["model.haed"]
+        assert str(info.value).startswith("'model.haed' is not in this cache")
+        assert cache.get("model.haed") is None and "model.haed" not in cache
+        assert cache.get("model.head") is cache["model.head"]
 
     def test_survives_without_save_and_pickles(self, seq):
         """The view exists after the trace without .save(); pickled, it keeps its entries
