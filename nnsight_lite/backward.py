@@ -4,6 +4,9 @@
     Backward                  the context: runs its body interleaved with one backward pass
     read_grad / set_grad      what ``t.grad`` / ``t.grad = g`` mean inside a body
 
+(The errors of a backward body that are worded apart, ``missed_error`` and Backward's error
+builders, are in backward_errors.py.)
+
 Whether ``loss.backward()`` is used as a context manager is read from the caller's bytecode:
 the call is immediately followed by the with-statement's setup instruction. That look-up is
 cached per code object, so a plain ``loss.backward()`` pays about a microsecond.
@@ -27,6 +30,7 @@ from collections import OrderedDict
 import greenlet
 import torch
 
+from .backward_errors import _FREED, BackwardErrors, _describe, missed_error
 from .capture import GRAD_NAME, SET_GRAD_NAME
 from .context import RUNTIME, BodyContext, body_job
 from .batching import merge
@@ -135,12 +139,6 @@ def add_grad_hook(t, hook):
     return _HookHandle(hooks, hook)
 
 
-def _describe(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"tensor of shape {tuple(t.shape)} ({t.dtype})"
-    return type(t).__name__
-
-
 def read_grad(t):
     """``t.grad`` in a body: the gradient at the moment backprop reaches ``t``."""
     ctx = _current_backward()
@@ -195,10 +193,7 @@ RUNTIME[GRAD_NAME] = read_grad
 RUNTIME[SET_GRAD_NAME] = set_grad
 
 
-_FREED = "backward through the graph a second time"  # autograd's message, freed graph
-
-
-class Backward(BodyContext):
+class Backward(BackwardErrors, BodyContext):
     """``with loss.backward(gradient=None, retain_graph=None, create_graph=False, inputs=None):``
 
     Example::
@@ -283,25 +278,6 @@ class Backward(BodyContext):
             now = tls_state()
             if now != saved_state:
                 set_tls_state(saved_state, now)
-
-    def _freed_error(self, exc: RuntimeError) -> GradientError:
-        """Autograd's "backward through the graph a second time", said in terms of the trace."""
-        med = getattr(self._runner, "mediator", None)
-        many = med is not None and len(med.interleaver.mediators) > 1
-        cause = (
-            "all invokes of a trace run as one batched forward, so they share one autograd "
-            "graph, and a backward in an earlier invoke freed it" if many else
-            "an earlier backward through the same graph freed it"
-        )
-        fix = (
-            "this backward passes retain_graph=True; it is the earlier one that did not: pass "
-            "retain_graph=True to every backward but the last" if self._args[1] else
-            "pass retain_graph=True to every backward but the last"
-        )
-        return GradientError(
-            f"`with loss.backward():` at {user_location()}: the autograd graph was already "
-            f"freed: {cause}; {fix} (torch: {str(exc).split('. ')[0]}.)"
-        )
 
     def _cleanup(self) -> None:
         """Remove the gradient hooks and unwind the body if it is still attached (idempotent)."""
@@ -388,56 +364,10 @@ class Backward(BodyContext):
 
         return exit_inline_backward(self, exc_type, exc)
 
-    def _bad_request(self, t) -> GradientError:
-        where = user_location()
-        if not isinstance(t, torch.Tensor):
-            return GradientError(f".grad was read at {where} on a {type(t).__name__}, not a tensor")
-        if not t.requires_grad:
-            return GradientError(
-                f"{_describe(t)} at {where} does not require grad, so it has no gradient in this "
-                "backward. It was computed under torch.no_grad()/inference_mode or from tensors "
-                "that do not require grad: call .requires_grad_(True) on it (or on the input) "
-                "during the forward, before it is used."
-            )
-        return GradientError(
-            f".grad of {_describe(t)} was read at {where} after the backward pass finished; "
-            "read gradients inside the `with loss.backward():` body"
-        )
-
     def _missed_error(self):
         g = self._greenlet
         where = user_location(g.gr_frame) if g.gr_frame is not None else "<unknown>"
         return missed_error(self._pending, where, self._args[3], self._last)
-
-
-def missed_error(t, where: str, inputs, last) -> GradientError:
-    """The error for a ``.grad`` read that backprop never answered, with the likely reason:
-    ``inputs=`` leaving ``t`` out, ``t`` a view made after its base was used (``h[:, 0].grad``),
-    or a leaf (a parameter, an input) read out of turn; ``last`` is the tensor read before."""
-    if inputs is not None and not any(t is i for i in _as_tuple(inputs)):
-        why = ("this backward was given inputs=, and backprop runs only as far as those "
-               "tensors need: add it to inputs= (or leave inputs= out)")
-    elif t._base is not None and t._base.requires_grad:
-        why = ("it is a view (a slice, an index, a reshape) of another tensor; one made "
-               "after that tensor was used (`h[:, 0]` in the body) is not part of the loss's "
-               "graph: read the gradient of the tensor itself and index that "
-               "(`h.grad[:, 0]`, not `h[:, 0].grad`)")
-    elif t.is_leaf or (last is not None and last.is_leaf):
-        who = "it is" if t.is_leaf else f"the {_describe(last)} read before it is"
-        why = (f"{who} a leaf (a parameter or an input), whose gradient arrives as backprop "
-               "passes the operation that uses it, not in the order the tensors were made: "
-               "read a leaf's .grad right after that of the operation's output, or read "
-               "`param.grad` after the block")
-    else:
-        why = ("the tensor is not part of this loss's graph, or its gradient was computed "
-               "before it was asked for, with no later tensor read in between: check that the "
-               "loss is computed from it, and read gradients in reverse execution order")
-    return GradientError(f".grad of {_describe(t)} was read at {where}, but backprop never "
-                         f"reached it: {why}.")
-
-
-def _as_tuple(inputs) -> tuple:
-    return (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
 
 
 def _rows_of(t):

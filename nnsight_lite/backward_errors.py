@@ -1,0 +1,102 @@
+"""The errors of ``with loss.backward():`` bodies, built on the failure path only.
+
+    BackwardErrors        the mixin Backward takes its error builders from:
+      _freed_error          autograd's "backward through the graph a second time", said in
+                            terms of the trace (an earlier invoke's or block's backward)
+      _bad_request          a ``.grad`` read of a non-tensor, of a tensor that does not
+                            require grad, or after the backward finished
+    missed_error          a ``.grad`` read that backprop never answered, with the likely reason
+    _describe             a value as a message names it: a tensor's shape and dtype
+    _FREED                the words of autograd's message that ``_freed_error`` replaces
+
+Apart from backward.py because none of it runs while gradients flow: it only words what went
+wrong. It needs nothing of backward.py (a Backward's ``_runner`` and ``_args`` are read through
+``self``), so backward.py and nosource.py import from here and not the other way round.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import GradientError
+from .workers import user_location
+
+_FREED = "backward through the graph a second time"  # autograd's message, freed graph
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"tensor of shape {tuple(t.shape)} ({t.dtype})"
+    return type(t).__name__
+
+
+class BackwardErrors:
+    """The error builders of :class:`~nnsight_lite.backward.Backward` (see above)."""
+
+    def _freed_error(self, exc: RuntimeError) -> GradientError:
+        """Autograd's "backward through the graph a second time", said in terms of the trace."""
+        med = getattr(self._runner, "mediator", None)
+        many = med is not None and len(med.interleaver.mediators) > 1
+        cause = (
+            "all invokes of a trace run as one batched forward, so they share one autograd "
+            "graph, and a backward in an earlier invoke freed it" if many else
+            "an earlier backward through the same graph freed it"
+        )
+        fix = (
+            "this backward passes retain_graph=True; it is the earlier one that did not: pass "
+            "retain_graph=True to every backward but the last" if self._args[1] else
+            "pass retain_graph=True to every backward but the last"
+        )
+        return GradientError(
+            f"`with loss.backward():` at {user_location()}: the autograd graph was already "
+            f"freed: {cause}; {fix} (torch: {str(exc).split('. ')[0]}.)"
+        )
+
+    def _bad_request(self, t) -> GradientError:
+        where = user_location()
+        if not isinstance(t, torch.Tensor):
+            return GradientError(f".grad was read at {where} on a {type(t).__name__}, not a tensor")
+        if not t.requires_grad:
+            return GradientError(
+                f"{_describe(t)} at {where} does not require grad, so it has no gradient in this "
+                "backward. It was computed under torch.no_grad()/inference_mode or from tensors "
+                "that do not require grad: call .requires_grad_(True) on it (or on the input) "
+                "during the forward, before it is used."
+            )
+        return GradientError(
+            f".grad of {_describe(t)} was read at {where} after the backward pass finished; "
+            "read gradients inside the `with loss.backward():` body"
+        )
+
+
+def missed_error(t, where: str, inputs, last) -> GradientError:
+    """The error for a ``.grad`` read that backprop never answered, with the likely reason:
+    ``inputs=`` leaving ``t`` out, ``t`` a view made after its base was used (``h[:, 0].grad``),
+    or a leaf (a parameter, an input) read out of turn; ``last`` is the tensor read before."""
+    if inputs is not None and not any(t is i for i in _as_tuple(inputs)):
+        why = ("this backward was given inputs=, and backprop runs only as far as those "
+               "tensors need: add it to inputs= (or leave inputs= out)")
+    elif t._base is not None and t._base.requires_grad:
+        why = ("it is a view (a slice, an index, a reshape) of another tensor; one made "
+               "after that tensor was used (`h[:, 0]` in the body) is not part of the loss's "
+               "graph: read the gradient of the tensor itself and index that "
+               "(`h.grad[:, 0]`, not `h[:, 0].grad`)")
+    elif t.is_leaf or (last is not None and last.is_leaf):
+        who = "it is" if t.is_leaf else f"the {_describe(last)} read before it is"
+        why = (f"{who} a leaf (a parameter or an input), whose gradient arrives as backprop "
+               "passes the operation that uses it, not in the order the tensors were made: "
+               "read a leaf's .grad right after that of the operation's output, or read "
+               "`param.grad` after the block")
+    else:
+        why = ("the tensor is not part of this loss's graph, or its gradient was computed "
+               "before it was asked for, with no later tensor read in between: check that the "
+               "loss is computed from it, and read gradients in reverse execution order")
+    return GradientError(f".grad of {_describe(t)} was read at {where}, but backprop never "
+                         f"reached it: {why}.")
+
+
+def _as_tuple(inputs) -> tuple:
+    return (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+
+
+__all__ = ["BackwardErrors", "missed_error"]
