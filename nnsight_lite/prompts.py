@@ -9,6 +9,10 @@ exported from the package).
     tokenize(...)       texts as (input_ids, attention_mask, other keys), padded
     with_pad_token(tok) give a tokenizer without a pad token its eos token (with a warning)
 
+(``with_pad_token`` and the padding itself are padding.py's; turning token ids and masks into
+checked tensors, ``check_vocab`` and ``check_not_empty`` included, is token_ids.py's: neither
+knows prompts, so each can be read alone.)
+
 Accepted prompts: a string, a list of strings, token ids (a list of ints, a list of lists of
 ints, a 1-D or 2-D integer tensor), or a dict / ``BatchEncoding`` with ``input_ids`` (and
 optionally ``attention_mask``); or embeddings, ``inputs_embeds=`` a (batch, positions, hidden)
@@ -22,13 +26,23 @@ every prompt's last token) unless the user set ``padding_side="right"`` on it
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 
 import torch
 
 from .batching import concat_inputs
 from .errors import BatchingError, InputError
+from .padding import _pad_id, _pad_ragged, _stack, pad_to, side, with_pad_token
+from .token_ids import (
+    ACCEPTS,
+    _as_ids,
+    _describe,
+    _mask_rows,
+    _rows,
+    check_not_empty,
+    check_vocab,
+    drop_none_mask,
+)
 
 #: Keyword arguments of ``tokenizer(...)`` that may be given per invoke; every other keyword
 #: goes to the model's forward (trace) or to ``generate``.
@@ -42,10 +56,6 @@ INPUT_KWARGS = frozenset({"input_ids", "inputs_embeds", "attention_mask"})
 _MASK_WITH_TEXT = (
     "attention_mask=... was given with a text prompt; the tokenizer makes the mask for text. "
     "Pass token ids with their mask instead"
-)
-ACCEPTS = (
-    "a string, a list of strings, token ids (a list of ints, a list of lists of ints, or a "
-    "1-D/2-D integer tensor), or a dict/BatchEncoding with 'input_ids'"
 )
 
 
@@ -239,30 +249,6 @@ def _tokenized(kws: list, tokenizer) -> list:
     return out
 
 
-def check_not_empty(ids: torch.Tensor, mask: torch.Tensor) -> None:
-    """Every row of one prompt has a token."""
-    if ids.shape[-1] == 0 or (mask.shape[-1] and bool((mask.sum(-1) == 0).any())):
-        raise InputError(
-            "a prompt has no tokens (the tokenizer produced none, or the ids are empty); "
-            "give every prompt at least one token"
-        )
-
-
-def check_vocab(ids: torch.Tensor, vocab: int | None) -> None:
-    """Every id is in ``0..vocab-1`` (skipped on the meta device)."""
-    if ids.is_meta:
-        return
-    lo, hi = ids.aminmax()
-    lo, hi = int(lo), int(hi)
-    if lo < 0 or (vocab is not None and hi >= vocab):
-        bad = lo if lo < 0 else hi
-        valid = f"0..{vocab - 1}" if vocab is not None else "non-negative"
-        raise InputError(
-            f"token id {bad} is outside this model's vocabulary (valid ids: {valid}); "
-            "were the ids made by another tokenizer?"
-        )
-
-
 def batch(prepared: list, tokenizer, vocab: int | None, position_ids: bool):
     """Several invokes' ``prepare`` results padded to one length (on the tokenizer's
     ``padding_side``) and stacked; every invoke's ids checked against ``vocab`` (the padding the
@@ -356,148 +342,6 @@ def _mask_of(kw: dict) -> torch.Tensor:
     if emb is not None:
         return torch.ones(emb.shape[:2], dtype=torch.long, device=emb.device)
     return torch.ones_like(kw["input_ids"])
-
-
-def side(tokenizer) -> str:
-    """The side prompts are padded on: the tokenizer's ``padding_side`` ("left" unless set to
-    "right"; "left" without a tokenizer)."""
-    return "right" if getattr(tokenizer, "padding_side", "left") == "right" else "left"
-
-
-def _pad_id(tokenizer) -> int:
-    """The id padding is made of (masked out, so any id does where there is no tokenizer)."""
-    pad = getattr(tokenizer, "pad_token_id", None)
-    return 0 if pad is None else pad
-
-
-def with_pad_token(tokenizer):
-    """Give ``tokenizer`` its eos token as pad token (with a warning) if it has none."""
-    if tokenizer is not None and tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise InputError(
-                f"the tokenizer ({type(tokenizer).__name__}) has neither a pad token nor an "
-                "eos token to pad with; set tokenizer.pad_token = '...' before wrapping"
-            )
-        warnings.warn(
-            f"the tokenizer has no pad token; using its eos token {tokenizer.eos_token!r} for "
-            "padding (tokenizer.pad_token = tokenizer.eos_token). Padded positions are masked "
-            "out, so this does not change results.",
-            UserWarning,
-            stacklevel=3,
-        )
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def _is_int(x) -> bool:
-    return (isinstance(x, int) and not isinstance(x, bool)) or (
-        isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point())
-
-
-def _mask_rows(mask, of: torch.Tensor, what: str) -> torch.Tensor:
-    """``mask`` as integer rows (a 1-D mask is one row) of ``of``'s (batch, positions); ``of``
-    is the prompt's ``what`` (``input_ids``, ``inputs_embeds``)."""
-    mask = _as_ids(mask, "attention_mask")
-    if mask.dim() == 1:
-        mask = mask.unsqueeze(0)
-    if mask.shape != of.shape[:2]:
-        raise InputError(
-            f"attention_mask has shape {tuple(mask.shape)} but {what} has shape "
-            f"{tuple(of.shape)}; the mask must be (batch, positions) = {tuple(of.shape[:2])}"
-        )
-    return mask
-
-
-def drop_none_mask(kwargs: dict) -> None:
-    """Take ``attention_mask=None`` out of ``kwargs``: HF's default, no mask given (code that
-    passes an optional mask on gives it), so the tokenizer's or the batch's mask stays."""
-    if kwargs.get("attention_mask", 0) is None:
-        del kwargs["attention_mask"]
-
-
-def _as_ids(x, what: str) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        if what == "attention_mask" and x.is_floating_point() and bool(((x == 0) | (x == 1)).all()):
-            return x.long()  # (a float mask of 0s and 1s, as HF takes it)
-        if x.is_floating_point() or x.is_complex() or (
-                x.dtype == torch.bool and what == "input_ids"):
-            raise InputError(f"{what} must hold integers, got a tensor of dtype {x.dtype}")
-        return x.long() if x.dtype != torch.long else x
-    try:
-        return torch.as_tensor(x, dtype=torch.long)
-    except (TypeError, ValueError, RuntimeError):
-        raise InputError(f"{what} must be integers, got {_describe(x)}") from None
-
-
-def _rows(x) -> list | torch.Tensor:
-    """Token ids as a 2-D tensor or a list of 1-D tensors (ragged rows)."""
-    if isinstance(x, torch.Tensor):
-        x = _as_ids(x, "input_ids")
-        if x.dim() == 1:
-            return x.unsqueeze(0)
-        if x.dim() == 2:
-            return x
-        raise InputError(
-            f"token ids must be a 1-D or 2-D tensor, got shape {tuple(x.shape)}"
-        )
-    if isinstance(x, (list, tuple)):
-        if not x:
-            raise InputError(f"empty prompt list: nothing to run the model on; pass {ACCEPTS}")
-        if all(_is_int(v) for v in x):
-            return _as_ids(list(x), "input_ids").unsqueeze(0)
-        if all(isinstance(v, (list, tuple)) or (isinstance(v, torch.Tensor) and v.dim() == 1)
-               for v in x):
-            rows = []
-            for i, v in enumerate(x):
-                if isinstance(v, torch.Tensor):
-                    rows.append(_as_ids(v, "input_ids"))
-                elif all(_is_int(t) for t in v):
-                    rows.append(_as_ids(list(v), "input_ids"))
-                else:
-                    raise InputError(f"row {i} of the token ids is not all integers: "
-                                     f"{_describe(v)}; pass {ACCEPTS}")
-            return rows
-    raise InputError(f"cannot use {_describe(x)} as a prompt; pass {ACCEPTS}")
-
-
-def _describe(x) -> str:
-    if isinstance(x, (list, tuple)):
-        kinds = sorted({type(v).__name__ for v in x})
-        return f"a {type(x).__name__} of {', '.join(kinds) or 'nothing'}"
-    if isinstance(x, torch.Tensor):
-        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
-    return f"a {type(x).__name__}"
-
-
-def _pad_ragged(rows, pad: int, on: str = "left"):
-    """Ragged rows (or a 2-D tensor) as ``(ids, mask)`` padded on side ``on``."""
-    if isinstance(rows, torch.Tensor):
-        return rows, torch.ones_like(rows)
-    width = max(r.shape[0] for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = r.shape[0]
-        if n:
-            cols = slice(width - n, width) if on == "left" else slice(0, n)
-            ids[i, cols] = r
-            mask[i, cols] = 1
-    return ids, mask
-
-
-def _stack(rows):
-    ids, _ = _pad_ragged(rows, 0)
-    return ids
-
-
-def pad_to(x: torch.Tensor, width: int, value: int, on: str = "left") -> torch.Tensor:
-    """``x`` (rows of ids, mask or embeddings) padded on side ``on`` with ``value`` to
-    ``width`` positions (dim 1)."""
-    n = width - x.shape[1]
-    if n == 0:
-        return x
-    fill = x.new_full((x.shape[0], n, *x.shape[2:]), value)
-    return torch.cat([fill, x] if on == "left" else [x, fill], 1)
 
 
 __all__ = ["TOKENIZER_KWARGS", "INPUT_KWARGS", "Texts", "prepare", "batch", "encode", "tokenize",
