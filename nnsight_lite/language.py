@@ -107,7 +107,9 @@ class LanguageModel(NNsight):
     - ``dtype`` (or the older ``torch_dtype``), ``device_map`` ("auto" needs accelerate) and
       any other keyword: passed to ``from_pretrained``.
     - ``tokenizer_kwargs``: passed to ``AutoTokenizer.from_pretrained``.
-    - ``automodel``: the auto class to load with (default ``AutoModelForCausalLM``).
+    - ``automodel``: the class to load with (default ``AutoModelForCausalLM``): an auto class
+      (``AutoModelForSeq2SeqLM``, ``AutoModel``), a model class (``LlamaForCausalLM``) or the
+      name of either in ``transformers`` (``automodel="AutoModelForSeq2SeqLM"``, as in nnsight).
 
     A tokenizer without a pad token gets its eos token as pad token, with a warning (what HF
     users do); prompts are padded on the tokenizer's side: the left, since a tokenizer passed
@@ -123,7 +125,7 @@ class LanguageModel(NNsight):
         if tokenizer is not None and getattr(tokenizer, "padding_side", "left") != "left":
             tokenizer.padding_side = "left"  # as nnsight does to a tokenizer it is given
         d["_load_kwargs"] = kwargs
-        d["_automodel"] = automodel
+        d["_automodel"] = _auto_class(automodel)
         if isinstance(model, (str, os.PathLike)):
             source = os.fspath(model)
             d["_source"] = source
@@ -180,8 +182,12 @@ class LanguageModel(NNsight):
             dtype = kw.get(key)                 # torch_dtype only)
             if dtype is not None and dtype != "auto":
                 build[key] = dtype
+        auto = self._auto()
+        # (an Auto class builds with from_config, a model class such as LlamaForCausalLM with
+        # its _from_config, which is what from_config calls)
+        make = getattr(auto, "from_config", None) or auto._from_config
         with torch.device("meta"):
-            return self._auto().from_config(config, **build)
+            return make(config, **build)
 
     def _load(self) -> torch.nn.Module:
         return self._auto().from_pretrained(self._source, **self._load_kwargs)
@@ -438,6 +444,29 @@ def _path_refs(root: torch.nn.Module, target) -> "tuple | None":
         module = module._modules[name]
         steps.append((name, weakref.ref(module)))
     return weakref.ref(root), tuple(steps)
+
+
+def _auto_class(automodel):
+    """``LanguageModel(automodel=...)`` as a class with ``from_pretrained`` (None: the default):
+    a name is looked up in ``transformers``, as nnsight does; anything else raises TypeError
+    now rather than at the first trace."""
+    if automodel is None:
+        return None
+    found = automodel
+    if isinstance(automodel, str):
+        import transformers
+
+        found = getattr(transformers, automodel, None)
+    if not (isinstance(found, type) and hasattr(found, "from_pretrained")
+            and (hasattr(found, "from_config") or hasattr(found, "_from_config"))):
+        what = (f"{automodel!r}, which names no model class in transformers"
+                if isinstance(automodel, str) else repr(automodel))
+        raise TypeError(
+            f"LanguageModel(automodel=...) takes a transformers class to load the model with "
+            f"(AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModel, a model class such as "
+            f"LlamaForCausalLM) or its name, got {what}"
+        )
+    return found
 
 
 def _on_meta(module: torch.nn.Module) -> bool:

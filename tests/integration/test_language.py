@@ -1342,6 +1342,37 @@ def test_a_loaded_tokenizer_pads_on_the_left(lm, hf, model_dirs, arch):
     torch.testing.assert_close(again, last)
 
 
+@pytest.mark.parametrize("automodel", ["AutoModel", "model class", "model class name"])
+def test_automodel_takes_a_class_or_its_name(model_dirs, arch, automodel):
+    """``automodel=`` may be an auto class's name (nnsight resolves names in transformers), a
+    model class (``LlamaForCausalLM``, which has no ``from_config``) or its name; lazily and
+    dispatched, the module is that class and a trace's output equals its plain forward."""
+    cls = type(transformers.AutoModelForCausalLM.from_pretrained(model_dirs[arch]))
+    chosen = {"AutoModel": "AutoModel", "model class": cls,
+              "model class name": cls.__name__}[automodel]
+    want = transformers.AutoModel if automodel == "AutoModel" else transformers.AutoModelForCausalLM
+    ref = want.from_pretrained(model_dirs[arch])
+    ids = torch.tensor([[2, 3, 4, 5]])
+    with torch.no_grad():
+        expected = ref(input_ids=ids)[0]
+    for dispatch in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            lm = LanguageModel(model_dirs[arch], automodel=chosen, dispatch=dispatch)
+        assert type(lm._module) is type(ref) and lm.dispatched is dispatch
+        with lm.trace(ids):
+            out = lm.output.save()
+        torch.testing.assert_close(out[0], expected)
+
+
+@pytest.mark.parametrize("bad", ["AutoModelForNothing", "AutoConfig", 3])
+def test_automodel_that_is_no_model_class_raises_at_once(model_dirs, bad):
+    """A name transformers does not have, a class that builds no model, or no class at all
+    raises TypeError when the LanguageModel is made, saying what it takes."""
+    with pytest.raises(TypeError, match=r"automodel=\.\.\.\) takes a transformers class"):
+        LanguageModel(model_dirs["llama"], automodel=bad)
+
+
 def test_a_right_padding_tokenizer_pads_prompts_and_invokes_on_the_right(model_dirs, hf, arch):
     """``tokenizer_kwargs={"padding_side": "right"}`` pads text, ragged token ids and invokes on
     the right, as nnsight does with such a tokenizer: the batch's ids are the tokenizer's own
