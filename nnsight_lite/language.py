@@ -106,7 +106,8 @@ class LanguageModel(NNsight):
       weights load on the first ``trace``, ``generate`` or call.
     - ``dtype`` (or the older ``torch_dtype``), ``device_map`` ("auto" needs accelerate) and
       any other keyword: passed to ``from_pretrained``.
-    - ``tokenizer_kwargs``: passed to ``AutoTokenizer.from_pretrained``.
+    - ``tokenizer_kwargs``: passed to ``AutoTokenizer.from_pretrained``; with ``tokenizer``
+      given, set as its attributes (``{"padding_side": "right"}``), as nnsight 0.8 does.
     - ``automodel``: the class to load with (default ``AutoModelForCausalLM``): an auto class
       (``AutoModelForSeq2SeqLM``, ``AutoModel``), a model class (``LlamaForCausalLM``) or the
       name of either in ``transformers`` (``automodel="AutoModelForSeq2SeqLM"``, as in nnsight).
@@ -122,8 +123,11 @@ class LanguageModel(NNsight):
                  tokenizer_kwargs: dict | None = None, rename: dict | None = None,
                  envoys: dict | None = None, **kwargs):
         d = self.__dict__
-        if tokenizer is not None and getattr(tokenizer, "padding_side", "left") != "left":
-            tokenizer.padding_side = "left"  # as nnsight does to a tokenizer it is given
+        if tokenizer is not None:
+            if getattr(tokenizer, "padding_side", "left") != "left":
+                tokenizer.padding_side = "left"  # as nnsight does to a tokenizer it is given
+            for key, value in (tokenizer_kwargs or {}).items():
+                setattr(tokenizer, key, value)  # ({"padding_side": "right"}: as nnsight 0.8)
         d["_load_kwargs"] = kwargs
         d["_automodel"] = _auto_class(automodel)
         if isinstance(model, (str, os.PathLike)):

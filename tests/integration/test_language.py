@@ -1342,6 +1342,24 @@ def test_a_loaded_tokenizer_pads_on_the_left(lm, hf, model_dirs, arch):
     torch.testing.assert_close(again, last)
 
 
+def test_tokenizer_kwargs_apply_to_a_given_tokenizer(model_dirs, hf, arch):
+    """``LanguageModel(path, tokenizer=t, tokenizer_kwargs={"padding_side": "right"})`` sets
+    them on ``t`` (as nnsight 0.8 does) instead of dropping them: two prompts are then padded
+    on the right, each row's positions holding its own forward's logits."""
+    given = make_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        lm = LanguageModel(model_dirs[arch], tokenizer=given,
+                           tokenizer_kwargs={"padding_side": "right"})
+    assert lm.tokenizer is given and given.padding_side == "right"
+    long, short = PROMPTS[2], PROMPTS[1]
+    with lm.trace([long, short]):
+        logits = lm.lm_head.output.save()
+    n = len(given(short)["input_ids"])
+    alone = hf(**given(short, return_tensors="pt")).logits[0]
+    torch.testing.assert_close(logits[1, :n], alone, atol=1e-4, rtol=1e-4)  # right: at 0..n
+
+
 @pytest.mark.parametrize("automodel", ["AutoModel", "model class", "model class name"])
 def test_automodel_takes_a_class_or_its_name(model_dirs, arch, automodel):
     """``automodel=`` may be an auto class's name (nnsight resolves names in transformers), a
