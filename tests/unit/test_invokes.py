@@ -245,6 +245,7 @@ class TestBatching:
         assert any("invoke 1" in n for n in notes), notes
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_a_nested_tensor_inside_the_forward_reaches_every_invoke_whole():
     """nn.TransformerEncoder in eval mode with a padding mask runs its layers on a nested
     tensor, which has no sizes: two invokes raised torch's "NestedTensorImpl doesn't support
