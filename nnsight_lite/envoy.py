@@ -316,7 +316,11 @@ class Envoy(ModuleFirst, Containers):
         return env
 
     def _method(self, name: str, method):
-        """``method`` of the module, returning this Envoy where it would return the module."""
+        """``method`` of the module, returning this Envoy where it would return the module.
+        On a model whose weights are not loaded yet, a method that changes the module or hands
+        out its tensors loads them first (see ``_load_first``)."""
+        if self._load_first(name):
+            method = getattr(self._module, name)
         module = self._module
 
         @functools.wraps(method)
@@ -325,6 +329,15 @@ class Envoy(ModuleFirst, Containers):
             return self if out is module else out
 
         return call
+
+    def _load_first(self, method: "str | None" = None) -> bool:
+        """Load the model's weights now if it defers them and ``method`` (None: an attribute
+        set) needs them (a ``LanguageModel`` still on the meta device: loading builds a new
+        module tree, which would drop a change made to the placeholder, silently); True if they
+        were loaded, so this Envoy's module is new."""
+        root = self.root
+        load = getattr(type(root), "_load_deferred", None)
+        return load is not None and load(root, method)
 
     def _no_such(self, name: str) -> ModulePathError:
         children = list(self._module._modules)
@@ -348,6 +361,7 @@ class Envoy(ModuleFirst, Containers):
         if name in Envoy._OWN or name.startswith("_"):
             object.__setattr__(self, name, value)
             return
+        self._load_first()  # (a value set on a placeholder module would be dropped at loading)
         setattr(self._module, name, value)
         if isinstance(self.__dict__.get(name), Envoy):  # a child Envoy held for a trace
             del self.__dict__[name]

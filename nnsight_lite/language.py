@@ -325,12 +325,14 @@ class LanguageModel(NNsight):
         self.dispatch()
         return self._module(*args, **kwargs)
 
-    def _method(self, name: str, method):
-        # moving or casting a model still on the meta device loads its weights first
-        if name in _LOADS_FIRST and not self.dispatched:
-            self.dispatch()
-            method = getattr(self._module, name)
-        return super()._method(name, method)
+    def _load_deferred(self, method: "str | None" = None) -> bool:
+        """Load the weights if still on the meta device, before a module ``method`` in
+        ``_LOADS_FIRST`` or an attribute set (``method`` None) on this model or one of its
+        Envoys (Envoy._load_first); True if they were loaded now."""
+        if self.dispatched or (method is not None and method not in _LOADS_FIRST):
+            return False
+        self.dispatch()
+        return True
 
     # ---- inputs
 
@@ -416,9 +418,20 @@ class LanguageModel(NNsight):
 
 # --------------------------------------------------------------------------- helpers
 
-#: module methods of a LanguageModel that load the weights first when it is still on meta
-_LOADS_FIRST = frozenset({"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type",
-                          "xpu", "mps"})
+#: Module methods that load the weights first on a LanguageModel still on the meta device, when
+#: called on it or any of its Envoys: loading builds a new module tree, so a mode, flag, hook or
+#: state set on the placeholder, or parameters handed to an optimizer, would otherwise be
+#: dropped or left behind, silently.
+_LOADS_FIRST = frozenset({
+    "to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type", "xpu", "mps",
+    "train", "eval", "requires_grad_", "apply", "load_state_dict", "state_dict", "zero_grad",
+    "parameters", "named_parameters", "buffers", "named_buffers", "register_forward_hook",
+    "register_forward_pre_hook", "register_full_backward_hook",
+    "register_full_backward_pre_hook", "register_backward_hook", "register_buffer",
+    "register_parameter", "register_module", "add_module", "set_submodule", "share_memory",
+    "compile", "tie_weights", "resize_token_embeddings", "set_input_embeddings",
+    "set_output_embeddings", "gradient_checkpointing_enable",
+})
 
 #: GPT-2 names (and a few others) users bring to a Llama-style model, and where to look instead.
 _ARCH_HINTS = {

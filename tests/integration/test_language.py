@@ -151,6 +151,57 @@ class TestLoading:
         assert torch.count_nonzero(zeroed) == 0
         torch.testing.assert_close(logits, plain)
 
+    def test_changes_to_a_model_still_on_meta_survive_loading(self, model_dirs, hf, arch):
+        """Loading replaces the placeholder module tree, so a change made to it before the
+        first trace was dropped silently (nnsight 0.8.1 drops it too): a fine-tuned
+        ``load_state_dict``, ``requires_grad_(False)``, ``train()``, a forward hook, a replaced
+        submodule, an optimizer over ``parameters()``. Each of these now loads the weights
+        first, and the trace matches plain HF given the same changes."""
+        lm = quiet(LanguageModel, model_dirs[arch])
+        tuned = {k: v + 0.01 for k, v in hf.state_dict().items()}
+        lm.load_state_dict(tuned)
+        assert lm.dispatched
+        hf.load_state_dict(tuned)
+        ids = lm.tokenizer("hello world", return_tensors="pt")
+        with torch.no_grad():
+            plain = hf(**ids).logits
+        with lm.trace("hello world"):
+            logits = lm.lm_head.output.save()
+        torch.testing.assert_close(logits, plain)
+
+        seen = []
+        for change in ("requires_grad_", "train", "hook", "submodule", "optimizer"):
+            lm = quiet(LanguageModel, model_dirs[arch])
+            block = layers(lm, arch)[0]  # an Envoy taken before loading
+            if change == "requires_grad_":
+                lm.requires_grad_(False)
+            elif change == "train":
+                lm.train()
+            elif change == "hook":
+                block.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+            elif change == "submodule":
+                lm.lm_head = torch.nn.Identity()
+            else:
+                params = list(lm.parameters())
+            assert lm.dispatched, change
+            with lm.trace("hello world"):
+                out = lm.output.save()
+            if change == "requires_grad_":
+                assert not any(p.requires_grad for p in lm._module.parameters())
+                assert not out.logits.requires_grad
+            elif change == "train":
+                assert all(m.training for m in lm._module.modules())
+            elif change == "hook":
+                assert seen == [(1, 2, 32)]
+            elif change == "submodule":
+                fresh = transformers.AutoModelForCausalLM.from_pretrained(model_dirs[arch])
+                with torch.no_grad():  # the hidden states, as plain HF's last layer gives them
+                    hidden = fresh(**ids, output_hidden_states=True).hidden_states[-1]
+                torch.testing.assert_close(out.logits, hidden)
+            else:
+                assert all(p is q for p, q in zip(params, lm._module.parameters()))
+                assert not any(p.is_meta for p in params)
+
     def test_dispatch_true_loads_now(self, model_dirs, arch):
         lm = quiet(LanguageModel, model_dirs[arch], dispatch=True)
         assert lm.dispatched
