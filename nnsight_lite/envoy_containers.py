@@ -91,7 +91,7 @@ class Containers:
 
     def __iter__(self):
         editor = self.__dict__.pop("_unpacking", None)
-        if editor is not None:  # `with model.edit() as (tracer, edited):` (tracing.Editor)
+        if editor is not None:  # `with model.edit() as (tracer, edited):` (sessions.Editor)
             return iter((editor, self))
         module = self._module
         if isinstance(module, torch.nn.ModuleDict):  # its children's Envoys, as in nnsight

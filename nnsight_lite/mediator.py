@@ -120,7 +120,7 @@ class Mediator:
 
     def label(self) -> str:
         """How messages name this body: ``invoke 2`` (counting the trace's own invokes from 0),
-        or the model's persistent edit it runs (edits come first, see tracing._add_edits)."""
+        or the model's persistent edit it runs (edits come first, see sessions._add_edits)."""
         edits = self.interleaver.edits
         if self.index >= len(edits):
             return f"invoke {self.index - len(edits)}"

@@ -48,7 +48,8 @@ from .backward import (
 from .errors import GradientError, NoSourceError
 from .interleaver import Interleaver
 from .mediator import _DONE, Mediator
-from .tracing import _add_edits, _run_fake
+from .scan import _run_fake
+from .sessions import _add_edits
 from .waits import StopTrace
 from .workers import _getcurrent, padded, set_tls_state, tls_state, user_location
 

@@ -2,19 +2,25 @@
 
     Session   ``with model.session():`` - traces in a row sharing their values
     Editor    ``with model.edit() as edited:`` - a body recorded and run before every trace's
-              own bodies (tracing._add_edits runs them)
+              own bodies
+    _add_edits(inter, model)  a model's recorded edits added to a trace's interleaver (first)
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
+from typing import TYPE_CHECKING
 
-from .capture import let_go_of_locals, names_read
-from .context import BodyContext
+from .capture import Scope, let_go_of_locals, names_read
+from .context import RUNTIME, BodyContext, body_job
 from .envoy import Envoy
 from .errors import NNsightError
+from .mediator import wait_for_name
 from .waits import StopTrace
+
+if TYPE_CHECKING:
+    from .interleaver import Interleaver
 
 
 class Session(BodyContext):
@@ -152,3 +158,20 @@ class _Held:
                 "since been dropped; keep the model while its submodule's edits are in use"
             )
         return envoy
+
+
+def _add_edits(inter: Interleaver, model) -> list:
+    """Add ``model``'s persistent edits to ``inter`` (they run first, on the whole batch);
+    return the scopes made for them."""
+    made = []
+    edits = model._edits
+    inter.edits = tuple(body for body, _, _, _ in edits)  # (messages name these bodies by it)
+    for body, snapshot, f_globals, selves in edits:
+        if selves:  # the names that meant the edited model mean the model traced now
+            snapshot = {**snapshot, **dict.fromkeys(selves, model)}
+        if any(type(v) is _Held for v in snapshot.values()):
+            snapshot = {k: v.get(k, body) if type(v) is _Held else v for k, v in snapshot.items()}
+        edit_scope = Scope(snapshot, f_globals, RUNTIME, wait_for_name)
+        made.append(edit_scope)
+        inter.add(body_job(body.code, edit_scope), None, edit_scope)
+    return made

@@ -13,21 +13,20 @@ an invoke's keyword of the same name yields to them, with a warning where the va
 from __future__ import annotations
 
 import contextvars
-import logging
-import warnings
 import weakref
 
 import torch
 
 from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patches backward)
-from .capture import Scope
-from .context import RUNTIME, BodyContext, body_job
+from .context import BodyContext, body_job
 from .errors import InputError, InvokeError, NNsightError
 from .interleaver import Interleaver
-from .mediator import _MISSING, _collecting, current_mediator, wait_for_name
+from .invoke_kwargs import _yield_to
+from .mediator import _MISSING, _collecting, current_mediator
 from .messages import backward_block_error, in_backward_block
 from .remote.hook import take_backend
-from .sessions import _Held
+from .scan import _run_fake
+from .sessions import _add_edits
 from .steps import _iterate, _IterIndexer
 from .waits import Barrier, StopTrace
 from .workers import RUNNER, _getcurrent, _take_worker, switch_job, user_location
@@ -349,62 +348,6 @@ class Tracer(BodyContext):
         return self._model._run_forward(args, kwargs)
 
 
-def _yield_to(call: dict, inv: "Invoker", name: str) -> dict:
-    """``inv``'s keywords without those ``call`` (the keywords of ``name(...)``, for the whole
-    batch) also gives; a warning at the invoke for each whose value differs there."""
-    kwargs = inv._kwargs
-    clash = [k for k in kwargs if k in call]
-    if not clash:
-        return kwargs
-    for k in clash:
-        if not _same(kwargs[k], call[k]):
-            body = inv._body
-            warnings.warn_explicit(
-                f"tracer.invoke(..., {k}={_show(kwargs[k])}) is overridden by {name}(..., "
-                f"{k}={_show(call[k])}): {name}()'s keywords apply to the whole batch; give "
-                f"{k} in one place", UserWarning, body.filename, body.lineno,
-                registry=_WARNED)  # (once per line, as warnings.warn: not at every trace)
-    return {k: v for k, v in kwargs.items() if k not in call}
-
-
-_WARNED: dict = {}  # the warnings registry of _yield_to's warnings
-
-
-def _same(a, b) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and bool(torch.equal(a, b))
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - a tensor of several values, an odd __eq__: different
-        return False
-
-
-def _show(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"<tensor of shape {tuple(value.shape)}>"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _add_edits(inter: Interleaver, model) -> list:
-    """Add ``model``'s persistent edits to ``inter`` (they run first, on the whole batch);
-    return the scopes made for them."""
-    made = []
-    edits = model._edits
-    inter.edits = tuple(body for body, _, _, _ in edits)  # (messages name these bodies by it)
-    for body, snapshot, f_globals, selves in edits:
-        if selves:  # the names that meant the edited model mean the model traced now
-            snapshot = {**snapshot, **dict.fromkeys(selves, model)}
-        if any(type(v) is _Held for v in snapshot.values()):
-            snapshot = {k: v.get(k, body) if type(v) is _Held else v for k, v in snapshot.items()}
-        edit_scope = Scope(snapshot, f_globals, RUNTIME, wait_for_name)
-        made.append(edit_scope)
-        inter.add(body_job(body.code, edit_scope), None, edit_scope)
-    return made
-
-
 def _on_runner(job) -> None:
     """Run ``job()`` (the forward with the bodies interleaved) on a worker greenlet: here the
     with-statement's exit is handling the skipped body's ``SkipBody``, and Python would chain
@@ -413,46 +356,6 @@ def _on_runner(job) -> None:
     worker = _take_worker(RUNNER)
     worker.gr_context = contextvars.copy_context()
     switch_job(worker, job)
-
-
-def _run_fake(inter: Interleaver, model, args, kwargs):
-    """Run the interleaved forward on fake tensors: shapes and dtypes, no real compute."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    import torch
-
-    # (a shape environment lets a data-dependent value, ``.item()``, be a symbol, as nnsight's
-    # scan gives, instead of an error; shapes stay the real, static ones)
-    mode = FakeTensorMode(allow_non_fake_inputs=True,
-                          shape_env=ShapeEnv(assume_static_by_default=True))
-
-    def fake(x):
-        return mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
-
-    f_args = tuple(fake(a) for a in args)
-    f_kwargs = {k: fake(v) for k, v in kwargs.items()}
-    # (torch logs the traceback of an op its fake tensors cannot run before raising it: the
-    # error the scan raises says the same)
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    disabled, log.disabled = log.disabled, True
-    # a forward's state updates must not stick: a 0-dim buffer changed in place (BatchNorm's
-    # num_batches_tracked, a step counter) is changed for real under fake tensors, and a buffer
-    # the forward rebinds (self.count = self.count + 1) would be left a fake tensor
-    buffers = [(m._buffers, dict(m._buffers)) for m in model._module.modules() if m._buffers]
-    scalars = [(b, b.clone()) for _, held in buffers for b in held.values()
-               if b is not None and b.dim() == 0]
-    try:
-        with mode:
-            inter.run(lambda: model._run_forward(f_args, f_kwargs))
-    finally:
-        log.disabled = disabled
-        for table, held in buffers:
-            if len(table) != len(held) or any(table.get(k) is not v for k, v in held.items()):
-                table.clear()
-                table.update(held)
-        with torch.no_grad():
-            for b, value in scalars:
-                b.copy_(value)
 
 
 class Invoker(BodyContext):
