@@ -10,6 +10,9 @@
         .dispatch()         load the real weights now (otherwise: on first trace/generate/call)
     Generator           the tracer ``model.generate(...)`` returns (generation.py)
 
+Loading (the tree on the meta device, the weights at first use, ``dispatch``) is
+lazy_weights.py's; tokenizing and batching prompts, prompts.py's.
+
 Inputs (to ``trace``, ``invoke`` and ``generate``): a string, a list of strings, token ids (a
 list of ints, a list of lists, a 1-D or 2-D integer tensor), or a dict / ``BatchEncoding`` with
 ``input_ids`` (and optionally ``attention_mask``), which may also come as keywords
@@ -46,16 +49,10 @@ from .backward import _called_as_context
 from .envoy import Envoy
 from .errors import InputError
 from .generation import Generator, _GeneratorEnvoy, _GeneratorOutput
+from .lazy_weights import LazyWeights, _auto_class
 from .model import NNsight
 from .remote.hook import take_backend, wants_remote
 from .tracing import Tracer
-
-#: Keyword arguments of ``LanguageModel(...)`` that also apply to loading the config.
-_CONFIG_KWARGS = frozenset({
-    "revision", "trust_remote_code", "cache_dir", "local_files_only", "token", "subfolder",
-    "gguf_file", "code_revision",
-})
-
 
 _PROMPT_KWARGS = frozenset({"input_ids", "inputs_embeds"})  # (a mask alone is no prompt)
 
@@ -78,7 +75,7 @@ def _keywords_only(call: str, inputs: tuple, kwargs: dict) -> bool:
     return True
 
 
-class LanguageModel(NNsight):
+class LanguageModel(LazyWeights, NNsight):
     """A Hugging Face causal LM with its tokenizer, traced with ``with model.trace(prompt):``.
 
     Example::
@@ -163,56 +160,6 @@ class LanguageModel(NNsight):
         d["_tokenizer"] = prompts.with_pad_token(tokenizer)
         d["_generator_module"] = _GeneratorOutput()
         d["_generator"] = _GeneratorEnvoy(d["_generator_module"], "model.generator")
-
-    # ---- loading
-
-    def _auto(self):
-        if self._automodel is not None:
-            return self._automodel
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM
-
-    def _build_meta(self) -> torch.nn.Module:
-        """The model built from its config on the meta device: the module tree, no weights."""
-        from transformers import AutoConfig
-
-        kw = self._load_kwargs
-        config = AutoConfig.from_pretrained(
-            self._source, **{k: v for k, v in kw.items() if k in _CONFIG_KWARGS}
-        )
-        build = {k: kw[k] for k in ("trust_remote_code", "attn_implementation") if k in kw}
-        for key in ("dtype", "torch_dtype"):  # the name the user gave (transformers < 4.56:
-            dtype = kw.get(key)                 # torch_dtype only)
-            if dtype is not None and dtype != "auto":
-                build[key] = dtype
-        auto = self._auto()
-        # (an Auto class builds with from_config, a model class such as LlamaForCausalLM with
-        # its _from_config, which is what from_config calls)
-        make = getattr(auto, "from_config", None) or auto._from_config
-        with torch.device("meta"):
-            return make(config, **build)
-
-    def _load(self) -> torch.nn.Module:
-        return self._auto().from_pretrained(self._source, **self._load_kwargs)
-
-    @property
-    def dispatched(self) -> bool:
-        """Whether the real weights are loaded (False while the model lives on the meta device)."""
-        return self._source is None or not _on_meta(self._module)
-
-    def dispatch(self) -> "LanguageModel":
-        """Load the real weights now (``LanguageModel(path)`` defers it to the first use).
-
-        Example::
-
-            model = LanguageModel(path)     # meta device
-            model.dispatch()                # weights in memory; model.dispatched is True
-        """
-        if not self.dispatched:
-            shared = self.__dict__.get("_weights_from")  # an edited copy: the original's weights
-            _rebind(self, self._load() if shared is None else shared.dispatch()._module)
-        return self
 
     # ---- the tokenizer and the generator
 
@@ -325,15 +272,6 @@ class LanguageModel(NNsight):
         self.dispatch()
         return self._module(*args, **kwargs)
 
-    def _load_deferred(self, method: "str | None" = None) -> bool:
-        """Load the weights if still on the meta device, before a module ``method`` in
-        ``_LOADS_FIRST`` or an attribute set (``method`` None) on this model or one of its
-        Envoys (Envoy._load_first); True if they were loaded now."""
-        if self.dispatched or (method is not None and method not in _LOADS_FIRST):
-            return False
-        self.dispatch()
-        return True
-
     # ---- inputs
 
     def _prepare_inputs(self, *args, **kwargs):
@@ -418,21 +356,6 @@ class LanguageModel(NNsight):
 
 # --------------------------------------------------------------------------- helpers
 
-#: Module methods that load the weights first on a LanguageModel still on the meta device, when
-#: called on it or any of its Envoys: loading builds a new module tree, so a mode, flag, hook or
-#: state set on the placeholder, or parameters handed to an optimizer, would otherwise be
-#: dropped or left behind, silently.
-_LOADS_FIRST = frozenset({
-    "to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type", "xpu", "mps",
-    "train", "eval", "requires_grad_", "apply", "load_state_dict", "state_dict", "zero_grad",
-    "parameters", "named_parameters", "buffers", "named_buffers", "register_forward_hook",
-    "register_forward_pre_hook", "register_full_backward_hook",
-    "register_full_backward_pre_hook", "register_backward_hook", "register_buffer",
-    "register_parameter", "register_module", "add_module", "set_submodule", "share_memory",
-    "compile", "tie_weights", "resize_token_embeddings", "set_input_embeddings",
-    "set_output_embeddings", "gradient_checkpointing_enable",
-})
-
 #: GPT-2 names (and a few others) users bring to a Llama-style model, and where to look instead.
 _ARCH_HINTS = {
     "transformer": "GPT-2 keeps its blocks at model.transformer.h; Llama-style models keep "
@@ -461,63 +384,6 @@ def _path_refs(root: torch.nn.Module, target) -> "tuple | None":
         module = module._modules[name]
         steps.append((name, weakref.ref(module)))
     return weakref.ref(root), tuple(steps)
-
-
-def _auto_class(automodel):
-    """``LanguageModel(automodel=...)`` as a class with ``from_pretrained`` (None: the default):
-    a name is looked up in ``transformers``, as nnsight does; anything else raises TypeError
-    now rather than at the first trace."""
-    if automodel is None:
-        return None
-    found = automodel
-    if isinstance(automodel, str):
-        import transformers
-
-        found = getattr(transformers, automodel, None)
-    if not (isinstance(found, type) and hasattr(found, "from_pretrained")
-            and (hasattr(found, "from_config") or hasattr(found, "_from_config"))):
-        what = (f"{automodel!r}, which names no model class in transformers"
-                if isinstance(automodel, str) else repr(automodel))
-        raise TypeError(
-            f"LanguageModel(automodel=...) takes a transformers class to load the model with "
-            f"(AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModel, a model class such as "
-            f"LlamaForCausalLM) or its name, got {what}"
-        )
-    return found
-
-
-def _on_meta(module: torch.nn.Module) -> bool:
-    for p in module.parameters():
-        return p.is_meta
-    return False
-
-
-def _rebind(envoy: Envoy, module: torch.nn.Module) -> None:
-    """Point ``envoy`` and the child Envoys it has handed out at ``module``'s tree.
-
-    Envoys users already hold (``layers = model.model.layers``) keep working after dispatch.
-    """
-    d = envoy.__dict__
-    d["_module"] = module
-    subs = d.get("_subs", {})
-    for name, child in list(subs.items()):
-        sub = module._modules.get(name)
-        if sub is None:
-            del subs[name]
-        else:
-            _rebind(child, sub)
-    # The index cache (``envoy[i]``) holds the child Envoy, alone or first in a tuple.
-    items = d.get("_items", {})
-    for key, hit in list(items.items()):
-        child = hit[0] if isinstance(hit, tuple) else hit
-        try:
-            sub = module[key]
-        except (IndexError, KeyError, TypeError):
-            sub = None
-        if isinstance(sub, torch.nn.Module) and isinstance(child, Envoy):
-            _rebind(child, sub)
-        else:
-            del items[key]
 
 
 __all__ = ["LanguageModel", "Generator"]
