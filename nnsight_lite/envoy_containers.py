@@ -74,6 +74,8 @@ class Containers:
         try:
             sub = self._module[key]
         except (IndexError, KeyError, TypeError) as exc:
+            if "_orig_mod" in self._module._modules:  # torch.compile's OptimizedModule hands
+                return self._sub("_orig_mod")[key]  # attributes and len() on, not indexing
             raise self._bad_index(key, exc) from None
         if isinstance(key, slice):
             return [self[i] for i in range(len(self._module))[key]]

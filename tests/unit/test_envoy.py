@@ -622,3 +622,22 @@ def test_a_property_giving_one_of_the_models_modules_gives_its_envoy():
     with model.trace(x):
         h = model.first.output.save()
     torch.testing.assert_close(h, net.layers[0](x))
+
+
+def test_indexing_a_compiled_model_indexes_the_model_it_compiled():
+    """``NNsight(torch.compile(net))[0]``: torch's OptimizedModule hands attributes and len()
+    on to the model it compiled but not indexing, so it said "'OptimizedModule' object is not
+    subscriptable (OptimizedModule of length 3)". It reaches ``_orig_mod[0]`` (nnsight does the
+    same), reads equal the plain modules', and a bad index names the real container."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    model = NNsight(torch.compile(net, backend="eager"))
+    x = torch.randn(2, 4)
+    with model.trace(x):
+        h = model[0].output.save()
+        out = model.output.save()
+    torch.testing.assert_close(h, net[0](x))
+    torch.testing.assert_close(out, net(x))
+    assert model[0]._module is net[0] and len(model) == 3
+    with pytest.raises(IndexError, match=r"index 7 is out of range \(Sequential of length 3\)"):
+        model[7]
