@@ -245,6 +245,37 @@ class TestBatching:
         assert any("invoke 1" in n for n in notes), notes
 
 
+def test_an_invokes_replacement_of_another_dtype_takes_the_batchs_dtype_in_its_rows():
+    """With several invokes, a float32 value replacing a bfloat16 output is written into the
+    invoke's rows of the batch tensor, so it is cast there (as the README says), where one
+    invoke alone hands the model the float32 value itself; the result equals a hook that
+    casts the replaced rows."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).to(torch.bfloat16)
+    model = NNsight(net)
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    vec = torch.randn(4)  # float32
+
+    def hook(m, i, o):
+        o = o.clone()
+        o[:1] = (o[:1].float() + vec).to(torch.bfloat16)
+        return o
+
+    handle = net[0].register_forward_hook(hook)
+    try:
+        expected = net(x)
+    finally:
+        handle.remove()
+    with model.trace() as tracer:
+        with tracer.invoke(x[:1]):
+            model[0].output = model[0].output + vec
+            a = model.output.save()
+        with tracer.invoke(x[1:]):
+            b = model.output.save()
+    assert a.dtype is torch.bfloat16
+    assert torch.equal(torch.cat([a, b]), expected)
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_a_nested_tensor_inside_the_forward_reaches_every_invoke_whole():
     """nn.TransformerEncoder in eval mode with a padding mask runs its layers on a nested
