@@ -26,7 +26,7 @@ from .envoy import Envoy, save
 from .errors import CacheError, ModulePathError, OutsideTraceError
 from .mediator import _MISSING, OUTPUT
 from .messages import backward_block_error, in_backward_block
-from .cache_view import CacheView, Entry, _key
+from .cache_view import CacheView, Entry, _key, _native
 from .calls import Slot
 from .workers import _getcurrent, user_location
 
@@ -105,7 +105,7 @@ def _select(model: Envoy, inter, modules) -> list:
         elif isinstance(m, str):
             if named is None:
                 named = dict(inter.root.named_modules())
-            module = _by_path(named, m)
+            module = _by_path(named, m, model)
             where = m
         else:
             raise TypeError(
@@ -123,8 +123,9 @@ def _select(model: Envoy, inter, modules) -> list:
     return out
 
 
-def _by_path(named: dict, path: str) -> torch.nn.Module:
-    """The module at ``path``: ``"model.layer1"`` (a cache key), ``"layer1"`` or ``"h[0]"``."""
+def _by_path(named: dict, path: str, model: Envoy) -> torch.nn.Module:
+    """The module at ``path``: ``"model.layer1"`` (a cache key), ``"layer1"``, ``"h[0]"``, or a
+    path through ``rename=`` aliases (``"layers.0.ffn"``)."""
     clean = path.replace("[", ".").replace("]", "").replace("'", "").replace('"', "")
     tries = []
     if clean == "model":
@@ -132,7 +133,7 @@ def _by_path(named: dict, path: str) -> torch.nn.Module:
     elif clean.startswith("model."):
         tries.append(clean[len("model."):])
     tries.append(clean)
-    for t in tries:
+    for t in tries + [_native(model, path)]:
         if t in named:
             return named[t]
     keys = [_key(n) for n in named]

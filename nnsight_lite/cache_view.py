@@ -25,6 +25,40 @@ def _key(name: str) -> str:
     return "model." + name if name else "model"
 
 
+def _native(root: "Envoy | None", key: str, base: str = "") -> "str | None":
+    """The ``named_modules()`` path of the module ``key`` names through the model's Envoys, or
+    None: a path through ``rename=`` aliases (``"model.layers.0.ffn"``), one without the
+    leading ``model.`` (``"transformer.h.0"``), ``h[0]`` indexing, as nnsight resolves a cache
+    key. ``base`` is the path ``key`` is relative to (an entry's own). Only child modules and
+    aliases are followed, never an Envoy property (a key is no request for a value)."""
+    if root is None:
+        return None
+    parts = key.replace("[", ".").replace("]", "").replace("'", "").replace('"', "").split(".")
+    tries = [parts[1:], parts] if parts[0] == "model" and not base else [parts]
+    for names in tries:
+        env = root._get_path(base) if base else root
+        for name in names:
+            env = _step(env, name)
+            if env is None:
+                break
+        else:
+            return env._mpath
+    return None
+
+
+def _step(env: Envoy, name: str) -> "Envoy | None":
+    """The Envoy of ``env``'s child module ``name`` or of its ``rename=`` alias ``name``."""
+    if env._module._modules.get(name) is not None:
+        return env._sub(name)
+    tree = env._tree
+    rel = tree.alias(env._mpath, name) if tree.aliases else None
+    if rel is None:
+        return None
+    for part in rel:
+        env = env._sub(part)
+    return env
+
+
 def _has_key(self, key) -> bool:
     """``key in`` a view or an entry: whether indexing it by that (string) key finds an entry."""
     if not isinstance(key, str):
@@ -82,8 +116,10 @@ class Entry:
         full = key[len("model."):] if key.startswith("model.") else ("" if key == "model"
                                                                       else None)
         # relative first: below an HF causal LM's root, "model" is its child `model`
-        for n in (f"{name}.{key}" if name else key,) + ((full,) if full is not None else ()):
-            if _within(n, name) and n in records:
+        tries = (f"{name}.{key}" if name else key,) + ((full,) if full is not None else ())
+        # then through aliases (e["ffn"]), relative first, as nnsight's navigation resolves it
+        for n in tries + (_native(self._view()._root, key, name), _native(self._view()._root, key)):
+            if n is not None and _within(n, name) and n in records:
                 return self._view().__getitem__(_key(n))
         raise CacheKeyError(f"{key!r} is not a module inside {_key(name)} in this cache; its keys: "
                        f"{', '.join(self.keys()[:8])}")
@@ -180,7 +216,10 @@ class CacheView(Mapping):
                 "" if key == "model" else _MISSING)
             if name is not _MISSING and name in self._records:
                 return self._give(name)
-            raise CacheKeyError(self._missing(key))
+            name = _native(self._root, key)  # a path through aliases, or without "model."
+            if name is not None and name in self._records:
+                return self._give(name)
+            raise CacheKeyError(self._missing(key, name))
         return _Node(self, self._need_root(), None)[key]  # cache[0]: as model[0] (Sequential)
 
     def __iter__(self):
@@ -199,12 +238,17 @@ class CacheView(Mapping):
             entry._name = name
         return entry
 
-    def _missing(self, key) -> str:
+    def _missing(self, key, native=None) -> str:
         keys = list(self)
+        if native is not None:  # a module of the model, under another name: say which
+            return (f"{key!r} ({_key(native)}) is not in this cache: the run did not reach it, "
+                    f"or it was not among the modules= asked for (the cache holds {len(keys)} "
+                    "module(s))")
         near = difflib.get_close_matches(str(key), keys, n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
         return (f"{key!r} is not in this cache{hint} (it holds the {len(keys)} module(s) the "
-                "run reached among those asked for; keys look like \"model.layer1\")")
+                "run reached among those asked for; keys look like \"model.layer1\", or a "
+                "path through the model's rename= aliases)")
 
     # ---- navigation by attribute
 

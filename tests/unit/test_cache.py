@@ -320,6 +320,34 @@ class TestNavigation:
         assert inner is cache["model.model"] and torch.equal(inner.output, net.model(x))
         assert cache["model"]["model.head"] is cache["model.head"]
 
+    def test_keys_through_aliases_and_short_paths(self, net, x8):
+        """A string key written through ``rename=`` aliases, without the leading ``model.``, or
+        with ``[i]`` indexing reaches the module's entry, in ``cache[...]``, ``in``, an entry's
+        ``[...]`` and ``tracer.cache(modules=...)``, as nnsight resolves cache keys through the
+        model's Envoys. A key that names a module of the model the cache does not hold says so.
+        Found by a hunt: each of these raised CacheKeyError / ModulePathError."""
+        model = NNsight(net, rename={"layers": "blocks", "lin": "proj"})
+        _, outs, _ = reached(net, x8)
+        with model.trace(x8) as tracer:
+            cache = tracer.cache()
+        layer1, lin = outs["layers.1"][0], outs["block.lin"][0]
+        for k in ("model.blocks.1", "blocks.1", "layers.1", "blocks[1]", "model.layers[1]"):
+            assert k in cache and torch.equal(cache[k].output, layer1), k
+        assert cache["model.blocks.1"] is cache["model.layers.1"]
+        for k in ("model.block.proj", "block.proj", "block.lin"):
+            assert torch.equal(cache[k].output, lin), k
+        block = cache["block"]
+        assert block is cache["model.block"] and block["proj"] is cache["model.block.lin"]
+        assert block["model.block.proj"] is cache["model.block.lin"]
+        with pytest.raises(KeyError, match="'blocks.7' is not in this cache"):
+            cache["blocks.7"]
+        with model.trace(x8) as tracer:
+            some = tracer.cache(modules=["blocks.1", "model.block.proj", "blocks[2]"])
+        assert list(some.keys()) == ["model.block.lin", "model.layers.1", "model.layers.2"]
+        assert torch.equal(some["blocks.1"].output, layer1)
+        with pytest.raises(KeyError, match=r"'blocks.0' \(model.layers.0\) is not in this cache"):
+            some["blocks.0"]
+
     def test_missing_names(self, net, x8):
         """A name that is no module, or a module not cached, raises AttributeError; an unknown
         key raises KeyError with near matches."""
