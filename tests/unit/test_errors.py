@@ -572,6 +572,21 @@ def test_nnsight_code_catching_value_error_still_catches(seq, net, x8):
             model.unused.output
 
 
+def test_every_exception_type_is_importable_from_the_package():
+    """The README says every exception type is importable from ``nnsight_lite``
+    (``from nnsight_lite import GradientError``): each NNsightError subclass that errors.py
+    defines is there, as the same class, and in ``__all__``."""
+    import nnsight_lite
+    import nnsight_lite.errors as errors
+
+    defined = [c for c in vars(errors).values() if inspect.isclass(c)
+               and issubclass(c, errors.NNsightError) and c.__module__ == errors.__name__]
+    assert len(defined) > 10
+    for cls in defined:
+        assert getattr(nnsight_lite, cls.__name__, None) is cls, cls.__name__
+        assert cls.__name__ in nnsight_lite.__all__, cls.__name__
+
+
 def _skip_first(tracer, model, h):
     model[0].skip(h)
 
