@@ -344,7 +344,7 @@ class Tracer(BodyContext):
 
     def _forward(self, inter: Interleaver, args: tuple, kwargs: dict):
         """What runs under the interleaver: the model's forward (``model.generate`` runs HF
-        generate instead; see language.py)."""
+        generate instead; see generation.py)."""
         return self._model._run_forward(args, kwargs)
 
 

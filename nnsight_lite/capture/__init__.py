@@ -2,7 +2,8 @@
 
 One job per module:
 
-    source.py   find the with-statement's source and prove it is the running code
+    source.py   find the with-statement's source
+    proof.py    prove that source is the running code (its bytecode against the frame's)
     rewrite.py  what a body is compiled into (``x.save()``, ``x.grad``, nested with-blocks)
     body.py     ``find_body(frame)``: the compiled body of a call site (cached); ``names_read``
     skip.py     skipping the body's inline execution (line tracer, or a flag in compiled bodies)

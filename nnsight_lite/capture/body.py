@@ -47,7 +47,7 @@ def find_body(frame: FrameType, what: str = "trace") -> Body:
     """Return the compiled body of the ``with`` statement ``frame`` is executing now.
 
     The first time a call site is reached its source is found and proven to be the running code
-    (source.py); after that the answer is a dict look-up."""
+    (source.py, with proof.py); after that the answer is a dict look-up."""
     code = frame.f_code
     # Keyed by identity: equal code objects from different files or cells compare equal.
     key = (id(code), frame.f_lasti)

@@ -32,7 +32,7 @@ from collections import OrderedDict
 
 import cloudpickle
 
-from ..cache import CacheView
+from ..cache_view import CacheView
 from ..capture.source import _body_sources
 from ..envoy import Envoy
 from ..errors import RemoteError
