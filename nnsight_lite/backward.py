@@ -367,7 +367,7 @@ class Backward(BackwardErrors, BodyContext):
     def _missed_error(self):
         g = self._greenlet
         where = user_location(g.gr_frame) if g.gr_frame is not None else "<unknown>"
-        return missed_error(self._pending, where, self._args[3], self._last)
+        return missed_error(self._pending, where, self._args[3], self._last, self._loss)
 
 
 def _rows_of(t):

@@ -69,14 +69,15 @@ class BackwardErrors:
         )
 
 
-def missed_error(t, where: str, inputs, last) -> GradientError:
+def missed_error(t, where: str, inputs, last, loss=None) -> GradientError:
     """The error for a ``.grad`` read that backprop never answered, with the likely reason:
     ``inputs=`` leaving ``t`` out, ``t`` a view made after its base was used (``h[:, 0].grad``),
-    or a leaf (a parameter, an input) read out of turn; ``last`` is the tensor read before."""
+    or a leaf (a parameter, an input) read out of turn; ``last`` is the tensor read before,
+    ``loss`` the tensor the backward runs from."""
     if inputs is not None and not any(t is i for i in _as_tuple(inputs)):
         why = ("this backward was given inputs=, and backprop runs only as far as those "
                "tensors need: add it to inputs= (or leave inputs= out)")
-    elif t._base is not None and t._base.requires_grad:
+    elif t._base is not None and t._base.requires_grad and _view_off_graph(t, loss):
         why = ("it is a view (a slice, an index, a reshape) of another tensor; one made "
                "after that tensor was used (`h[:, 0]` in the body) is not part of the loss's "
                "graph: read the gradient of the tensor itself and index that "
@@ -93,6 +94,36 @@ def missed_error(t, where: str, inputs, last) -> GradientError:
                "loss is computed from it, and read gradients in reverse execution order")
     return GradientError(f".grad of {_describe(t)} was read at {where}, but backprop never "
                          f"reached it: {why}.")
+
+
+def _view_off_graph(t, loss) -> bool:
+    """Whether view ``t`` is off ``loss``'s graph while its base is on it: a view made after
+    the base was used. (A view the model made, a module's ``x.view(...)`` output, that the loss
+    does not use at all is off the graph with its base: that is the plain "not part of".)"""
+    if loss is None or not isinstance(loss, torch.Tensor):
+        return True  # (nothing to walk: the likelier reason)
+    on = _graph_holds(loss, (t, t._base))
+    return not on[0] and on[1]
+
+
+def _graph_holds(loss, tensors) -> list:
+    """For each of ``tensors``, whether ``loss``'s autograd graph holds it (its ``grad_fn``, or
+    a leaf's AccumulateGrad). Walked on the failure path only."""
+    fns = [x.grad_fn for x in tensors]
+    found = [False] * len(tensors)
+    seen = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # (an AccumulateGrad: a leaf's node)
+        for i, x in enumerate(tensors):
+            if fn is fns[i] or (fns[i] is None and variable is x):
+                found[i] = True
+        stack.extend(f for f, _ in fn.next_functions)
+    return found
 
 
 def _as_tuple(inputs) -> tuple:

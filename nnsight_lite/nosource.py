@@ -252,7 +252,7 @@ def _wait_inline(ctx, t):
             set_tls_state(state, now)
     if value is _ENDED:
         ctx._pending = None
-        raise missed_error(t, user_location(), ctx._args[3], ctx._last)
+        raise missed_error(t, user_location(), ctx._args[3], ctx._last, ctx._loss)
     return value
 
 

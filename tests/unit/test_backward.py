@@ -184,6 +184,45 @@ class TestGradErrors:
                 g = h.grad[:, 0].save()
         torch.testing.assert_close(g, ref.grad[:, 0])
 
+    def test_a_view_the_model_makes_off_the_graph_is_not_called_a_body_view(self):
+        """A module whose output is a view (``x.view(...)`` in its forward) that the loss does
+        not use at all: a plain hook on it never fires, and the error says it is not part of
+        the loss's graph; it said the body made a view after its base was used and to write
+        ``h.grad[:, 0]``, which does not apply (its base is off the graph too)."""
+
+        class Flat(torch.nn.Module):
+            def forward(self, x):
+                return x.view(x.shape[0], -1)
+
+        class Two(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(4, 4)
+                self.flat = Flat()
+                self.b = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                self.flat(self.a(x))  # a side branch the output does not use
+                return self.b(x)
+
+        net = Two()
+        x = torch.randn(2, 4)
+        fired = []
+        handle = net.flat.register_forward_hook(
+            lambda m, i, out: (out._base is not None and out.register_hook(fired.append)))
+        try:
+            net(x).sum().backward()
+        finally:
+            handle.remove()
+        assert fired == []  # (the view is made, and backprop never reaches it)
+        model = NNsight(net)
+        with pytest.raises(GradientError, match="not part of this loss's graph") as info:
+            with model.trace(x):
+                h = model.flat.output
+                with model.output.sum().backward():
+                    h.grad
+        assert "h.grad[:, 0]" not in str(info.value)
+
     def test_tensor_left_out_of_inputs_says_so(self, seq):
         """backward(inputs=[w]) runs backprop only as far as ``w`` needs, so an activation
         after ``w``'s layer is never reached (a plain hook there does not fire either)."""
