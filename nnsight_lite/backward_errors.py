@@ -74,15 +74,18 @@ def missed_error(t, where: str, inputs, last, loss=None) -> GradientError:
     ``inputs=`` leaving ``t`` out, ``t`` a view made after its base was used (``h[:, 0].grad``),
     or a leaf (a parameter, an input) read out of turn; ``last`` is the tensor read before,
     ``loss`` the tensor the backward runs from."""
+    base = t._base if t._base is not None and t._base.requires_grad else None
+    # (whether the loss's graph holds t and its base: None where there is no graph to walk)
+    on, on_base = _graph_holds(loss, (t, t if base is None else base))
     if inputs is not None and not any(t is i for i in _as_tuple(inputs)):
         why = ("this backward was given inputs=, and backprop runs only as far as those "
                "tensors need: add it to inputs= (or leave inputs= out)")
-    elif t._base is not None and t._base.requires_grad and _view_off_graph(t, loss):
+    elif base is not None and on is not True and on_base is not False:
         why = ("it is a view (a slice, an index, a reshape) of another tensor; one made "
                "after that tensor was used (`h[:, 0]` in the body) is not part of the loss's "
                "graph: read the gradient of the tensor itself and index that "
                "(`h.grad[:, 0]`, not `h[:, 0].grad`)")
-    elif t.is_leaf or (last is not None and last.is_leaf):
+    elif (t.is_leaf or (last is not None and last.is_leaf)) and on is not False:
         who = "it is" if t.is_leaf else f"the {_describe(last)} read before it is"
         why = (f"{who} a leaf (a parameter or an input), whose gradient arrives as backprop "
                "passes the operation that uses it, not in the order the tensors were made: "
@@ -96,19 +99,14 @@ def missed_error(t, where: str, inputs, last, loss=None) -> GradientError:
                          f"reached it: {why}.")
 
 
-def _view_off_graph(t, loss) -> bool:
-    """Whether view ``t`` is off ``loss``'s graph while its base is on it: a view made after
-    the base was used. (A view the model made, a module's ``x.view(...)`` output, that the loss
-    does not use at all is off the graph with its base: that is the plain "not part of".)"""
-    if loss is None or not isinstance(loss, torch.Tensor):
-        return True  # (nothing to walk: the likelier reason)
-    on = _graph_holds(loss, (t, t._base))
-    return not on[0] and on[1]
-
-
 def _graph_holds(loss, tensors) -> list:
     """For each of ``tensors``, whether ``loss``'s autograd graph holds it (its ``grad_fn``, or
-    a leaf's AccumulateGrad). Walked on the failure path only."""
+    a leaf's AccumulateGrad); all None without a loss tensor. Walked on the failure path only:
+    a view the model made (a forward's ``x.view(...)``) or a tensor the loss does not use at
+    all is off the graph, and the reasons that assume it is on it (a view made in the body
+    after its base was used, a leaf read out of turn) do not apply."""
+    if not isinstance(loss, torch.Tensor):
+        return [None] * len(tensors)
     fns = [x.grad_fn for x in tensors]
     found = [False] * len(tensors)
     seen = set()

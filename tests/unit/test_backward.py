@@ -223,6 +223,47 @@ class TestGradErrors:
                     h.grad
         assert "h.grad[:, 0]" not in str(info.value)
 
+    def test_a_leaf_the_loss_does_not_use_is_not_called_out_of_turn(self):
+        """A parameter of a module whose output the loss does not use (and an activation of
+        it read after a used parameter): plain hooks on them never fire, and the error says
+        they are not part of the loss's graph; it said a leaf was read out of turn and to
+        read it right after its operation's output, which would not help."""
+
+        class Two(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(4, 4)
+                self.b = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                self.a(x)  # a side branch the output does not use
+                return self.b(x)
+
+        net = Two()
+        x = torch.randn(2, 4)
+        fired = []
+        w_hook = net.a.weight.register_hook(fired.append)
+        out_hook = net.a.register_forward_hook(lambda m, i, out: out.register_hook(fired.append))
+        try:
+            net(x).sum().backward()
+        finally:
+            w_hook.remove()
+            out_hook.remove()
+        assert fired == []
+        net.zero_grad()
+        model = NNsight(net)
+        for reads in ("weight", "used weight, then the unused output"):
+            with pytest.raises(GradientError, match="not part of this loss's graph") as info:
+                with model.trace(x):
+                    h = model.a.output
+                    with model.output.sum().backward():
+                        if reads == "weight":
+                            net.a.weight.grad
+                        else:
+                            net.b.weight.grad
+                            h.grad
+            assert "a leaf" not in str(info.value), reads
+
     def test_tensor_left_out_of_inputs_says_so(self, seq):
         """backward(inputs=[w]) runs backprop only as far as ``w`` needs, so an activation
         after ``w``'s layer is never reached (a plain hook there does not fire either)."""
