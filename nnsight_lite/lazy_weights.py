@@ -99,12 +99,12 @@ class LazyWeights:
 
 #: Module methods that load the weights first on a LanguageModel still on the meta device, when
 #: called on it or any of its Envoys: loading builds a new module tree, so a mode, flag, hook or
-#: state set on the placeholder, or parameters handed to an optimizer, would otherwise be
-#: dropped or left behind, silently.
+#: state set on the placeholder would otherwise be dropped, silently. Methods that only read
+#: (``parameters()``, ``state_dict()``, ``eval()``: a loaded model is in eval mode) do not load:
+#: a client that only runs remote traces (or counts parameters) never needs the weights here.
 _LOADS_FIRST = frozenset({
     "to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type", "xpu", "mps",
-    "train", "eval", "requires_grad_", "apply", "load_state_dict", "state_dict", "zero_grad",
-    "parameters", "named_parameters", "buffers", "named_buffers", "register_forward_hook",
+    "train", "requires_grad_", "apply", "load_state_dict", "register_forward_hook",
     "register_forward_pre_hook", "register_full_backward_hook",
     "register_full_backward_pre_hook", "register_backward_hook", "register_buffer",
     "register_parameter", "register_module", "add_module", "set_submodule", "share_memory",

@@ -155,8 +155,10 @@ class TestLoading:
         """Loading replaces the placeholder module tree, so a change made to it before the
         first trace was dropped silently (nnsight 0.8.1 drops it too): a fine-tuned
         ``load_state_dict``, ``requires_grad_(False)``, ``train()``, a forward hook, a replaced
-        submodule, an optimizer over ``parameters()``. Each of these now loads the weights
-        first, and the trace matches plain HF given the same changes."""
+        submodule. Each of these now loads the weights first, and the trace matches plain HF
+        given the same changes. Reading does not load (``parameters()``, ``state_dict()``,
+        ``eval()``: a client of remote traces never needs the weights); after ``dispatch()``
+        the parameters are the loaded model's."""
         lm = quiet(LanguageModel, model_dirs[arch])
         tuned = {k: v + 0.01 for k, v in hf.state_dict().items()}
         lm.load_state_dict(tuned)
@@ -182,7 +184,11 @@ class TestLoading:
             elif change == "submodule":
                 lm.lm_head = torch.nn.Identity()
             else:
-                params = list(lm.parameters())
+                assert all(p.is_meta for p in lm.parameters())
+                lm.state_dict()
+                lm.eval()
+                assert not lm.dispatched  # (reading does not load)
+                params = list(lm.dispatch().parameters())
             assert lm.dispatched, change
             with lm.trace("hello world"):
                 out = lm.output.save()
