@@ -273,7 +273,7 @@ class Envoy(ModuleFirst, Containers):
 
     def _envoy_of(self, module: torch.nn.Module) -> "Envoy | None":
         """The Envoy of ``module`` in this model's tree (found by identity), or None."""
-        root = self.root
+        root = self._top()
         for path, m in root.__dict__["_module"].named_modules():
             if m is module:
                 return root._get_path(path)
@@ -335,7 +335,7 @@ class Envoy(ModuleFirst, Containers):
         set) needs them (a ``LanguageModel`` still on the meta device: loading builds a new
         module tree, which would drop a change made to the placeholder, silently); True if they
         were loaded, so this Envoy's module is new."""
-        root = self.root
+        root = self._top()
         load = getattr(type(root), "_load_deferred", None)
         return load is not None and load(root, method)
 

@@ -107,6 +107,11 @@ class ModuleFirst:
     @_module_first
     def root(self):
         """The Envoy of the whole model (``model``) this one belongs to."""
+        return self._top()
+
+    def _top(self):
+        """``root`` for the runtime's own use: a module's child or attribute named ``root``
+        comes before the property, not before this."""
         env = self
         while (ref := env.__dict__["_parent"]) is not None and ref() is not None:
             env = ref()

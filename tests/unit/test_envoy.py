@@ -641,3 +641,30 @@ def test_indexing_a_compiled_model_indexes_the_model_it_compiled():
     assert model[0]._module is net[0] and len(model) == 3
     with pytest.raises(IndexError, match=r"index 7 is out of range \(Sequential of length 3\)"):
         model[7]
+
+
+def test_a_child_named_root_does_not_hide_the_model_from_the_runtime():
+    """A module with a child called ``root``: ``envoy.root`` is that child (a module's own
+    names come first), but the runtime's walks to the whole model must not take it for the
+    model: a property giving one of the model's modules (``base_model`` style) still gives
+    that module's Envoy, which reads like any other."""
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.root = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+
+        @property
+        def last(self):
+            return self.b
+
+        def forward(self, x):
+            return self.b(self.root(x))
+
+    net = torch.nn.Sequential(Inner())
+    model = NNsight(net)
+    x = torch.randn(2, 4)
+    assert model[0].root._module is net[0].root
+    with model.trace(x):
+        h = model[0].last.output.save()
+    torch.testing.assert_close(h, net(x))
