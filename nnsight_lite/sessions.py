@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import TYPE_CHECKING
 
@@ -80,8 +79,7 @@ class Editor(BodyContext):
     def __init__(self, target):
         self._target = target
 
-    def __enter__(self):
-        self._capture(sys._getframe(1))
+    def _entered(self):
         # nnsight 0.8 binds `(tracer, edited)`: `as (tracer, edited)` unpacks the Envoy right
         # after this returns, and its __iter__ then gives (this editor, the Envoy) once
         self._target.__dict__["_unpacking"] = self
