@@ -9,7 +9,9 @@ Where the source comes from, in order (the first that proves to be the running c
 3. the file on disk again, if linecache held an older copy of it (a module reloaded after an
    edit);
 4. the ``python -c`` program, for code named ``<string>`` in a ``-c`` run (``sys.orig_argv``);
-5. the cell of an enclosing IPython cell magic (``%%time``, ``%%timeit``: they compile the
+5. for a function IPython's ``%autoreload`` recompiled from its definition alone (its line
+   numbers count from that text), the definition rebuilt from the file (reloaded.py);
+6. the cell of an enclosing IPython cell magic (``%%time``, ``%%timeit``: they compile the
    cell under names such as ``<timed exec>`` that linecache does not know).
 
 The proof (proof.py): the with-statement found in the candidate source is compiled on its own and its
@@ -39,6 +41,7 @@ from types import CodeType, FrameType
 
 from ..errors import NoSourceError, SourceUnavailableError, WithBlockNotFoundError
 from .proof import code_signature, compiled_variants
+from .reloaded import reloaded_defs
 
 #: the future-feature bits of ``co_flags``, which compile() takes as flags
 _FUTURE_FLAGS = 0
@@ -139,6 +142,8 @@ def _candidates(frame: FrameType, filename: str):
         fresh = linecache.getlines(filename, frame.f_globals)
         if fresh and fresh != lines:
             yield "file", fresh, None
+        for text in reloaded_defs(frame.f_code, fresh or lines):
+            yield "autoreload", text, None
     if filename == "<string>":
         program = _dash_c_program()
         if program is not None:
@@ -256,7 +261,7 @@ def _unavailable(filename: str, lineno: int, what: str, tried,
             "compile it with a filename registered in linecache."
             + "".join(f" (The {_GUESSES[origin]} was tried: {why}.)" for origin, why in tried)
         )
-    reasons = "; ".join(f"{origin}: {why}" for origin, why in tried)
+    reasons = "; ".join(f"{origin}: {why}" for origin, why in tried if origin != "autoreload")
     if filename.startswith("<ipython-input") or _is_ipykernel_cell(filename):
         todo = ("The cell was changed after this code was compiled from it: re-run the cell "
                 "(and the cells that define the functions it calls).")

@@ -7,6 +7,8 @@ kernel holds no hook, wrapper, suspended body or changed torch mode.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -142,6 +144,53 @@ with model.trace(x):
 probe = Probe(2)
 assert torch.equal(probe.read(x), net(x)) and torch.equal(top_level, net(x))
 assert torch.equal(Probe.at_class, net[1](net[0](x)).sum())
+""")
+        assert k.clean() == []
+
+
+AUTORELOADED = """
+def probe(model, x):
+    with model.trace(x):
+        h = model[1].output.save()
+    return h
+
+
+class Prober:
+    def __init__(self, model):
+        self.model = model
+
+    def read(self, x):
+        with self.model.trace(x):
+            h = self.model[1].output.save()
+        return h
+"""
+
+
+class TestAutoreload:
+    def test_functions_edited_under_autoreload_run_their_new_bodies(self, fresh_kernel, tmp_path):
+        """With `%autoreload 2` (IPython 9 recompiles an edited function from its definition
+        alone), a function and a method of an object made before the edit run their edited
+        trace bodies, checked against a plain hook."""
+        k = fresh_kernel
+        (tmp_path / "helpers_nb.py").write_text(AUTORELOADED)
+        k.check(GROUND_TRUTH)
+        k.check(f"import sys, os; sys.path.insert(0, {str(tmp_path)!r})")
+        k.check("%load_ext autoreload\n%autoreload 2")
+        k.check("""
+import helpers_nb
+prober = helpers_nb.Prober(model)
+assert torch.equal(helpers_nb.probe(model, x), plain(x)[0]['h'])
+assert torch.equal(prober.read(x), plain(x)[0]['h'])
+""")
+        k.check("pass")  # (autoreload records a module's source before the cell after its import)
+        path = tmp_path / "helpers_nb.py"
+        path.write_text(AUTORELOADED.replace("output.save()", "output.mul(2).save()"))
+        later = os.stat(path).st_mtime + 5
+        os.utime(path, (later, later))  # (autoreload compares modification times)
+        k.check("""
+assert helpers_nb.probe.__code__.co_firstlineno == 1  # (recompiled from the def alone)
+assert torch.equal(helpers_nb.probe(model, x), 2 * plain(x)[0]['h'])
+assert torch.equal(prober.read(x), 2 * plain(x)[0]['h'])
 """)
         assert k.clean() == []
 

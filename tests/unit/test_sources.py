@@ -115,7 +115,7 @@ def module_dir(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     yield tmp_path
-    for name in ("edited_mod",):
+    for name in ("edited_mod", "reloaded_mod"):
         sys.modules.pop(name, None)
         linecache.cache.pop(str(tmp_path / f"{name}.py"), None)
 
@@ -167,6 +167,102 @@ class TestModuleEditedAfterImport:
         _write_module(path, "h = model[2].output.save()  # edited")
         mod = importlib.reload(mod)
         torch.testing.assert_close(mod.second(model, x), seq[2](seq[1](seq[0](x))))
+
+
+RELOADED = textwrap.dedent("""
+    import functools
+
+
+    def passthrough(f):
+        @functools.wraps(f)
+        def call(*args, **kwargs):
+            return f(*args, **kwargs)
+        return call
+
+
+    def probe(model, x):
+        with model.trace(x):
+            h = model[1].output.save()
+        return h
+
+
+    @passthrough
+    def decorated(model, x):
+        with model.trace(x):
+            h = model[1].output.save()
+        return h
+
+
+    def nested(model, x):
+        def inner():
+            with model.trace(x):
+                h = model[1].output.save()
+            return h
+        return inner()
+
+
+    class Prober:
+        def __init__(self, model):
+            self.model = model
+
+        def read(self, x):
+            with self.model.trace(x):
+                h = self.model[1].output.save()
+            return h
+""")
+
+
+class TestIPythonAutoreload:
+    def test_functions_autoreload_recompiled_run_their_edited_bodies(self, module_dir, seq):
+        """IPython 9's `%autoreload 2` patches an edited function with code compiled from its
+        definition alone (line numbers counted from the `def`, not the file): a function, a
+        decorated one, a closure in one and a method of an existing object all run their edited
+        body (reloaded by IPython's own reloader, as the autoreload extension calls it)."""
+        dedup = pytest.importorskip("IPython.extensions.deduperreload.deduperreload")
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        path = module_dir / "reloaded_mod.py"
+        path.write_text(RELOADED)
+        mod = importlib.import_module("reloaded_mod")
+        reloader = dedup.DeduperReloader()
+        reloader.update_sources()  # what the extension records before each cell
+        prober = mod.Prober(model)
+
+        def read_all():
+            return [mod.probe(model, x), mod.decorated(model, x), mod.nested(model, x),
+                    prober.read(x)]
+
+        seen = {}
+        handle = seq[1].register_forward_hook(lambda m, i, o: seen.update(h=o.detach().clone()))
+        try:
+            first = seq(x)  # (ground truth: seq[1]'s output, read by a plain hook)
+            for got in read_all():
+                torch.testing.assert_close(got, seen["h"])
+            path.write_text(RELOADED.replace("output.save()", "output.mul(3).save()"))
+            assert reloader.maybe_reload_module(mod)  # patched in place, not re-imported
+            assert mod.probe.__code__.co_firstlineno == 1  # counted from the def alone
+            for got in read_all():
+                torch.testing.assert_close(got, seen["h"] * 3)
+            torch.testing.assert_close(seq(x), first)  # (the edits only read)
+        finally:
+            handle.remove()
+
+    def test_a_file_edited_again_since_the_reload_is_refused(self, module_dir, seq):
+        """The definition rebuilt from the file must be the running code: after another edit
+        with no reload, the block raises SourceUnavailableError instead of running it."""
+        dedup = pytest.importorskip("IPython.extensions.deduperreload.deduperreload")
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        path = module_dir / "reloaded_mod.py"
+        path.write_text(RELOADED)
+        mod = importlib.import_module("reloaded_mod")
+        reloader = dedup.DeduperReloader()
+        reloader.update_sources()
+        path.write_text(RELOADED.replace("output.save()", "output.mul(3).save()"))
+        assert reloader.maybe_reload_module(mod)
+        path.write_text(RELOADED.replace("output.save()", "output.mul(5).save(); 1 / 0"))
+        with pytest.raises(SourceUnavailableError, match="reload the module"):
+            mod.probe(model, x)
 
 
 def test_assert_inside_a_body_in_a_pytest_module(seq):
