@@ -33,7 +33,8 @@ def _native(root: "Envoy | None", key: str, base: str = "") -> "str | None":
     aliases are followed, never an Envoy property (a key is no request for a value)."""
     if root is None:
         return None
-    parts = key.replace("[", ".").replace("]", "").replace("'", "").replace('"', "").split(".")
+    clean = key.replace("[", ".").replace("]", "").replace("'", "").replace('"', "")
+    parts = clean.lstrip(".").split(".")  # ("[1]": the root's child 1)
     tries = [parts[1:], parts] if parts[0] == "model" and not base else [parts]
     for names in tries:
         env = root._get_path(base) if base else root

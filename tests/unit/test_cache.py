@@ -347,6 +347,11 @@ class TestNavigation:
         assert torch.equal(some["blocks.1"].output, layer1)
         with pytest.raises(KeyError, match=r"'blocks.0' \(model.layers.0\) is not in this cache"):
             some["blocks.0"]
+        seq = NNsight(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()))
+        with seq.trace(x8) as tracer:
+            one = tracer.cache(modules=["[1]"])
+        assert list(one.keys()) == ["model.1"] and one["[1]"] is one["model.1"]
+        assert torch.equal(one["1"].output, torch.relu(seq[0]._module(x8)))
 
     def test_missing_names(self, net, x8):
         """A name that is no module, or a module not cached, raises AttributeError; an unknown
