@@ -84,10 +84,11 @@ class SourceRun:
         path = f"{envoy._path if envoy is not None else mslot.label()}.source"
         if mslot.calls:
             raise OutOfOrderError(
-                f"{path} was first used at {user_location()}, after {path[:-7]} had already "
-                f"run {mslot.calls} time(s) in this trace without its operations being counted. "
-                f"Touch {path} at the top of the body (before reading any value the model "
-                "computes), so its operations are counted from the start of the forward."
+                f"an operation of {path} was asked for at {user_location()}, after "
+                f"{path[:-7]} had already run {mslot.calls} time(s) in this trace without its "
+                f"operations being counted (they are counted from the first use of .source in "
+                f"a trace). Touch {path} at the top of the body (before reading any value the "
+                "model computes), so its operations are counted from the start of the forward."
             )
         body = _accelerate_body(mslot.module, mslot.orig)  # the hook stays, its body swaps
         func, owner = _function_of(mslot.orig if body is None else body)
@@ -230,7 +231,10 @@ class Source:
             return
         inter = med.interleaver
         mslot = inter.slots.get(id(self._envoy._module))
-        if mslot is not None:
+        # A module that already ran uninstrumented cannot count its operations any more, but
+        # touching its .source to print it or name an op is no mistake: only a request for an
+        # operation's value (OpEnvoy._slot_in) raises then, as nnsight's out-of-order read does.
+        if mslot is not None and not mslot.calls:
             run_of(inter).ops_of(mslot, self._envoy)
 
     def __getattr__(self, name: str) -> "OpEnvoy":

@@ -258,14 +258,32 @@ class TestOrder:
         assert "print(model)" not in text
 
     def test_first_use_after_the_module_ran_is_refused(self, x):
-        """Operations are counted from the first use in a trace: a first use after the module
-        already ran raises OutOfOrderError that says to touch .source at the top."""
+        """Operations are counted from the first use in a trace: asking for an operation's value
+        after the module already ran uncounted raises OutOfOrderError that says to touch
+        .source at the top."""
         torch.manual_seed(0)
         model = NNsight(torch.nn.Sequential(Block(), torch.nn.Identity()))
-        with pytest.raises(OutOfOrderError, match=r"model\[0\]\.source was first used"):
+        with pytest.raises(OutOfOrderError, match=r"an operation of model\[0\]\.source was "
+                           r"asked for .* Touch model\[0\]\.source at the top"):
             with model.trace(x):
                 model[1].output
                 model[0].source.torch_relu_0.next().output
+
+    def test_touching_source_after_the_module_ran_is_no_error(self, x):
+        """Printing ``.source`` or naming an operation in a body after its module ran (looking
+        up op names while debugging) is no request for a value: it raises nothing, and the
+        trace's values are the plain forward's. Found by a hunt: it raised OutOfOrderError, where
+        nnsight 0.8.1 prints."""
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(Block(), torch.nn.Identity())
+        model = NNsight(net)
+        with model.trace(x):
+            out = model[1].output.save()
+            listing = nnsight_lite.save(str(model[0].source))
+            name = nnsight_lite.save(model[0].source.torch_relu_0.name)
+            root = nnsight_lite.save(str(model.source))
+        assert "torch_relu_0" in listing and name == "torch_relu_0" and "forward" in root
+        torch.testing.assert_close(out, net(x), rtol=0, atol=0)
 
 
 class TestCalls:
