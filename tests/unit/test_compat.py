@@ -194,3 +194,26 @@ def test_block_form_outside_a_body_shows_the_loop_form(model):
                        r"tracer\.iter\[\.\.\.\]:"):
         with model.trace(torch.randn(1, 4)) as tracer:
             _helper_with_block(tracer, model)
+
+
+def test_a_stepped_iter_slice_reads_every_other_call():
+    """``tracer.iter[0:3:2]`` honours the slice's step (calls 0 and 2; nnsight 0.8.1 ignores
+    it): the reads equal a hook's outputs at those calls, an edit at call 2 only changes that
+    call, and the model's output is the hooked model's."""
+    torch.manual_seed(0)
+    net = Looped()
+    model = NNsight(net)
+    x = torch.randn(2, 4)
+    with model.trace(x) as tracer:
+        steps = nnsight_lite.save([])
+        outs = nnsight_lite.save([])
+        for step in tracer.iter[0:3:2]:
+            if step == 2:
+                model.lin.output[:] = 0
+            outs.append(model.lin.output.clone())
+            steps.append(step)
+        out = model.output.save()
+    seen, plain_out = _plain_looped(net, x, zero_at={2})
+    assert steps == [0, 2]
+    assert torch.equal(outs[0], seen[0]) and torch.equal(outs[1], seen[2])
+    assert torch.equal(out, plain_out)
