@@ -48,18 +48,20 @@ _MISSING = object()
 _collecting = threading.local()
 
 
-def wait_for_name(scope, name: str):
-    """Called when a body reads a name nobody has bound yet.
+def wait_for_name(scope, name: str, around: bool = False):
+    """Called when a body reads a name nobody has bound yet (``around``: one that an earlier
+    invoke's body binds and the caller's scopes also hold).
 
     If an earlier invoke of the same trace is still running, it may bind the name later in
     this forward (``invoke 1`` using what ``invoke 0`` reads at the same module): wait for it.
-    Otherwise raise ``KeyError`` (Python turns that into the usual NameError).
+    Otherwise raise ``KeyError`` (Python turns that into the usual NameError; for ``around``,
+    the Scope then reads the caller's value).
     """
     med = getattr(_getcurrent(), "mediator", None)
     if med is None or med.scope is not scope or not med.interleaver.earlier_alive(med):
         raise KeyError(name)
     before = med.interleaver.position is None
-    med.parent.switch(NameWait(name))
+    med.parent.switch(NameWait(name, around))
     if before:  # (for the error a read of a module that ran meanwhile gets: _late_error)
         med.waited = (name, user_location())
     return scope[name]

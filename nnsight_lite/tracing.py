@@ -296,6 +296,7 @@ class Tracer(BodyContext):
         many = len(invokes) > 1
         add = inter.add
         homes: dict = {}  # id(frame) -> the shared scope of the invokes written in a helper
+        bound: dict = {}  # id(shared scope) -> the names its invokes so far bind
         for inv in invokes:
             if inv._args or inv._kwargs:
                 size = next(sized)
@@ -317,6 +318,9 @@ class Tracer(BodyContext):
             own = shared.child(snapshot)
             made.append(own)
             body = inv._body
+            own._awaited = bound.get(id(shared))
+            if body.binds:
+                bound[id(shared)] = body.binds | bound.get(id(shared), frozenset())
             med = add(body_job(body.code, own), batch, own)
             if body.assigned:  # (names it binds are published for later invokes: see publish)
                 med.shared, med.snapshot, med.assigned = shared, snapshot, body.assigned

@@ -37,12 +37,14 @@ class StopTrace(BaseException):
 
 
 class NameWait:
-    """A body's request to wait until an earlier invoke binds ``name`` in the shared scope."""
+    """A body's request to wait until an earlier invoke binds ``name`` in the shared scope
+    (``around``: or until none can, where the caller's scopes hold a value of that name)."""
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "around")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, around: bool = False):
         self.name = name
+        self.around = around
 
 
 class BarrierWait(NameWait):
@@ -52,6 +54,7 @@ class BarrierWait(NameWait):
 
     def __init__(self, barrier: "Barrier", where: str):
         self.name = None
+        self.around = False
         self.barrier = barrier
         self.round = barrier.round
         self.where = where

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from types import CodeType, FrameType
 
 from ..errors import BodySyntaxError
-from .rewrite import INLINE_NAME, assigned_names, body_syntax_error, rewrite_body
+from .rewrite import INLINE_NAME, assigned_names, body_syntax_error, rewrite_body, scope_names
 from .skip import Skipper, skip_line
 from .source import find_with, remember_source
 
@@ -23,13 +23,14 @@ class Body:
     """A compiled with-block body and where it came from."""
 
     __slots__ = ("code", "filename", "lineno", "end_lineno", "trivial", "body_line", "assigned",
-                 "skipper", "skip_error")
+                 "binds", "skipper", "skip_error")
 
     def __init__(self, code: CodeType, filename: str, lineno: int, end_lineno: int, trivial: bool,
                  body_line: int):
         self.code = code
         self.body_line = body_line  # the first line of the body (the header may span several)
         self.assigned: tuple = ()  # every name the body may bind (a superset is fine)
+        self.binds: frozenset = frozenset()  # the names it binds in its own scope (exactly)
         # A body of only `pass`/`...`/strings: harmless to run inline, and CPython may emit
         # its line outside the with-block's handler, so it is not skipped.
         self.trivial = trivial
@@ -97,6 +98,7 @@ def _compile_body(frame: FrameType, what: str) -> Body:
     body = Body(code, filename, node.lineno, node.end_lineno or node.lineno, trivial, line)
     body.skip_error = skip_error
     body.assigned = assigned_names(node.body)
+    body.binds = scope_names(node.body)
     return body
 
 

@@ -2,6 +2,8 @@
 
     rewrite_body(stmts)   the body's statements with the rewrites below applied
     assigned_names(stmts) every name a block may bind (a superset is fine)
+    scope_names(stmts)    the names a block binds in its own scope (not in the functions,
+                          classes and comprehensions it defines)
     body_syntax_error     a BodySyntaxError that says why a body does not compile
     class_body_name       ``NAME_NAME(name)`` at run time
     IterationEnd          thrown into a body waiting in ``tracer.iter`` when the model is done
@@ -62,6 +64,36 @@ def assigned_names(stmts) -> tuple:
             elif isinstance(n, ast.ExceptHandler) and n.name:
                 names.add(n.name)
     return tuple(sorted(names))
+
+
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+def scope_names(stmts) -> frozenset:
+    """The names a block binds in the scope it runs in: ``assigned_names`` without those bound
+    only inside the functions, classes, lambdas and comprehensions it defines (their own
+    scopes), so that a later invoke waits only for names an earlier one really binds."""
+    names = set()
+    todo = list(stmts)
+    while todo:
+        n = todo.pop()
+        if isinstance(n, _DEFS):
+            names.add(n.name)
+            continue
+        if isinstance(n, ast.Lambda):
+            continue
+        if isinstance(n, _COMPREHENSIONS):  # (a walrus in one binds in the enclosing scope)
+            names.update(w.target.id for w in ast.walk(n) if isinstance(w, ast.NamedExpr))
+            continue
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            names.add(n.id)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in n.names)
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            names.add(n.name)
+        todo.extend(ast.iter_child_nodes(n))
+    return frozenset(names)
 
 
 

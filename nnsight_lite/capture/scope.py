@@ -27,15 +27,19 @@ class Scope(dict):
     The body's own assignments live in this dict; names it does not define are looked up, at
     the moment they are read, in the caller's locals, then its globals, then builtins. Each
     invoke of a trace runs in a ``child`` of the trace's Scope, so it sees the trace body's
-    names and what other invokes publish there, while its own bindings stay its own.
+    names and what other invokes publish there, while its own bindings stay its own. A name
+    an earlier invoke's body binds (``_awaited``) is waited for before the caller's scopes are
+    asked: the later invoke's code comes after the earlier one's, so a value of that name left
+    around the trace (by an earlier cell) is not the one it means.
     """
 
-    __slots__ = ("_up", "_locals", "_globals", "_builtins", "_on_missing", "_base")
+    __slots__ = ("_up", "_locals", "_globals", "_builtins", "_on_missing", "_base", "_awaited")
 
     def __init__(self, caller_locals, caller_globals, runtime: dict, on_missing):
         # (dict.__init__ is not called: with no arguments it does nothing)
         self._up = None  # for a child: the Scope it was made from, looked in first
         self._on_missing = on_missing
+        self._awaited = None  # for an invoke's: the names earlier invokes' bodies bind
         self._locals = caller_locals
         self._globals = caller_globals
         b = caller_globals.get("__builtins__", builtins)
@@ -59,6 +63,11 @@ class Scope(dict):
             if value is not _ABSENT:
                 return value
             up = up._up
+        if self._awaited is not None and name in self._awaited:
+            try:  # an earlier invoke still running binds it later: wait for its value
+                return self._on_missing(self, name, True)
+            except KeyError:  # (no invoke before this one can bind it any more)
+                pass
         loc = self._locals
         # a plain dict (a module's or a function's locals) is asked without raising KeyError;
         # other mappings (a Scope with its own fallbacks, a class body's ChainMap) by indexing
@@ -79,6 +88,7 @@ class Scope(dict):
         per name read, however deep the chain."""
         c = Scope.__new__(Scope)
         c._on_missing = self._on_missing
+        c._awaited = None
         c._up = self
         c._locals = self._locals
         c._globals = self._globals
@@ -138,7 +148,8 @@ def caller_scope(frame: FrameType, runtime: dict, on_missing) -> Scope:
     """A fresh Scope for a body whose ``with`` statement sits in ``frame``.
 
     ``runtime`` maps the names the body rewrites use (SAVE_NAME, GRAD_NAME, SET_GRAD_NAME) to
-    their functions; ``on_missing(scope, name)`` is asked for names found nowhere.
+    their functions; ``on_missing(scope, name)`` is asked for names found nowhere (and
+    ``on_missing(scope, name, True)`` for an awaited name, which may be found around).
     """
     f_locals = frame.f_locals
     code = frame.f_code

@@ -136,6 +136,64 @@ class TestBatching:
                 patched = model.output.save()
         torch.testing.assert_close(patched, seq(clean))
 
+    def test_a_name_an_earlier_invoke_binds_wins_over_the_same_name_around_the_trace(self, seq):
+        # `donor` left over from an earlier cell: invoke 1's code comes after invoke 0's, so it
+        # means invoke 0's value (it once read the leftover silently)
+        model = NNsight(seq)
+        clean, corrupt = torch.randn(1, 6), torch.randn(1, 6)
+        donor = torch.full((1, 6), 100.0)
+        with model.trace() as tracer:
+            with tracer.invoke(clean):
+                donor = model[1].output
+            with tracer.invoke(corrupt):
+                model[1].output[:] = donor
+                patched = model.output.save()
+        torch.testing.assert_close(patched, seq(clean))
+
+    def test_a_global_an_earlier_invoke_binds_is_waited_for_too(self, seq):
+        global _leftover
+        _leftover = torch.full((1, 6), 100.0)
+        model = NNsight(seq)
+        clean, corrupt = torch.randn(1, 6), torch.randn(1, 6)
+        try:
+            with model.trace() as tracer:
+                with tracer.invoke(clean):
+                    _leftover = model[2].output
+                with tracer.invoke(corrupt):
+                    model[2].output[:] = _leftover
+                    patched = model.output.save()
+        finally:
+            del _leftover
+        torch.testing.assert_close(patched, seq(clean))
+
+    def test_a_name_the_earlier_invoke_does_not_bind_after_all_is_the_one_around(self, seq):
+        model = NNsight(seq)
+        clean, corrupt = torch.randn(1, 6), torch.randn(1, 6)
+        donor = torch.full((1, 6), 100.0)
+        bind = False
+        with model.trace() as tracer:
+            with tracer.invoke(clean):
+                if bind:
+                    donor = model[0].output
+                model[0].output  # (then it ends: from model[1] on, it can bind nothing)
+            with tracer.invoke(corrupt):
+                model[1].output[:] = donor
+                patched = model.output.save()
+        torch.testing.assert_close(patched, seq[3](seq[2](donor)))
+
+    def test_a_name_bound_only_in_an_earlier_invokes_comprehension_is_not_waited_for(self, seq):
+        # the comprehension's `h` is its own; waiting for it would have run past model[0]
+        model = NNsight(seq)
+        clean, corrupt = torch.randn(1, 6), torch.randn(1, 6)
+        h = torch.full((1, 6), 100.0)
+        with model.trace() as tracer:
+            with tracer.invoke(clean):
+                sums = [h.sum() for h in [model[3].output]]
+            with tracer.invoke(corrupt):
+                model[0].output[:] = h
+                patched = model.output.save()
+        torch.testing.assert_close(patched, seq[1:](h))
+
     def test_trace_with_input_equals_one_invoke(self, seq):
         model = NNsight(seq)
         x = torch.randn(2, 6)
