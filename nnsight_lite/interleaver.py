@@ -230,7 +230,7 @@ class Interleaver:
                 slot, kind, call = med.pending
                 if med.iter_depth and call > 0 and slot.calls > 0:
                     exc = IterationEnd()
-                    med.loop_ended = slot
+                    med.loop_ended = (slot, call, med.loop_bounded)
                 else:
                     exc = med.missed_error()
                 try:

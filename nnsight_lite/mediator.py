@@ -83,7 +83,7 @@ class Mediator:
 
     __slots__ = ("interleaver", "index", "batch", "scope", "run_fn", "greenlet", "parent", "done",
                  "pending", "pending_envoy", "cur_key", "cur_value", "replaced", "skip_value",
-                 "tls", "iteration", "iter_depth", "shared", "snapshot", "assigned",
+                 "tls", "iteration", "iter_depth", "loop_bounded", "shared", "snapshot", "assigned",
                  "loop_ended", "waited")
 
     inline = False  # True: the body runs in the user's own greenlet (nosource.py), never unwound
@@ -112,10 +112,12 @@ class Mediator:
         self.tls = None
         self.iteration = 0  # the call every read addresses: a loop's step, moved by .next()
         self.iter_depth = 0
+        self.loop_bounded = False  # the innermost step loop has a last step the user wrote
         self.shared = None  # the trace's scope, where this invoke publishes what it binds
         self.snapshot = None  # the trace body's names as of this invoke
         self.assigned = ()  # the names this invoke's body may bind (what publish copies)
-        self.loop_ended = None  # the slot an open step loop waited on when the forward ended it
+        # (slot, call, loop_bounded): what a step loop waited for when the forward ended it
+        self.loop_ended = None
         # (name, line): this body's last request was a wait for a name another invoke binds,
         # begun before the forward ran (every module that has run, ran while it waited)
         self.waited = None

@@ -133,21 +133,32 @@ def after_skip_error(self: "Mediator", envoy) -> OutOfOrderError:
         ".skip()."
     )
 
+
+def _after_loop_error(self: "Mediator", what, where, slot, call, bounded) -> MissedModuleError:
+    """A read after a step loop that waited for a call the forward never made."""
+    head = f"{self.label()} asked for {what} at {where}, after the model's forward had finished: "
+    if bounded:  # the user's own bound outran the model's calls
+        return MissedModuleError(
+            head + f"the step loop before it (tracer.iter[...]) asked for call {call} of "
+            f"{slot.label()}, which ran only {slot.calls} time(s) in this forward, so the loop "
+            "ended there with the forward. Bound the loop to the calls the model makes "
+            f"(steps below {slot.calls}), or read {what.split(' ')[0]} inside the loop."
+        )
+    return MissedModuleError(
+        head + f"the open step loop before it (tracer.iter[k:] or tracer.all()) waited for "
+        f"one more call of {slot.label()}, and such a loop ends only when the forward does. "
+        "Read it inside the loop, at the step it runs in, or give the loop its number of "
+        "steps (tracer.iter[k:n])."
+    )
+
+
 def late_error(self: "Mediator", envoy, key):
     slot, kind, call = key
     where = user_location()
     what = f"{envoy._path}.{kind}" + (f" (call {call})" if call else "")
     if self.interleaver.finished:
-        ended = self.loop_ended
-        if ended is not None:
-            return MissedModuleError(
-                f"{self.label()} asked for {what} at {where}, after the model's forward "
-                f"had finished: the open step loop before it (tracer.iter[k:] or "
-                f"tracer.all()) waited for one more call of {ended.label()}, and such a "
-                "loop ends only when the forward does. Read it inside the loop, at the "
-                "step it runs in, or give the loop its number of steps "
-                "(tracer.iter[k:n])."
-            )
+        if self.loop_ended is not None:
+            return _after_loop_error(self, what, where, *self.loop_ended)
         return MissedModuleError(
             f"{self.label()} asked for {what} at {where}, after the model's forward "
             "had already finished. Read module values while the model runs, before the end "

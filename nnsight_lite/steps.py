@@ -47,7 +47,9 @@ def _iterate(item, form: str):
             itertools.count(start, step)
     else:
         steps = iter(list(item))
-    return _Steps(_iteration(med, steps, form if type(steps) is itertools.count else None), form)
+    bounded = not (isinstance(item, slice) and item.stop is None)  # the user gave its last step
+    return _Steps(_iteration(med, steps, form if type(steps) is itertools.count else None,
+                             bounded), form)
 
 
 class _Steps:
@@ -99,13 +101,15 @@ def _once(manager, bind: bool):
 RUNTIME[ITER_BLOCK_NAME] = _block_steps
 
 
-def _iteration(med, steps, open_form=None):
+def _iteration(med, steps, open_form=None, bounded=False):
     """The steps of a ``tracer.iter`` / ``tracer.all()`` loop. An open one (``open_form``: how
     the user wrote it) ends when a read finds no further call; a body whose steps read nothing
     never gets there, so after ``_IDLE_STEPS`` such steps in a row it raises instead of
-    spinning (generate bounds its open loops by max_new_tokens instead)."""
-    prev = (med.iteration, med.iter_depth)
+    spinning (generate bounds its open loops by max_new_tokens instead). ``bounded``: the user
+    wrote its last step (the error for a read after a loop the forward ended says so)."""
+    prev = (med.iteration, med.iter_depth, med.loop_bounded)
     med.iter_depth += 1
+    med.loop_bounded = bounded
     idle = 0
     try:
         for i in steps:
@@ -123,7 +127,7 @@ def _iteration(med, steps, open_form=None):
                         "(tracer.iter[:n], tracer.iter[k]) or read a module in every step."
                     )
     finally:
-        med.iteration, med.iter_depth = prev
+        med.iteration, med.iter_depth, med.loop_bounded = prev
 
 
 _IDLE_STEPS = 10_000_000  # read-less steps in a row that end an open loop with an error (~1 s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -495,6 +496,30 @@ class TestStopAndCalls:
                 for step in tracer.all():
                     model.shared.output
                 model.head.output.save()
+
+    def test_a_read_after_a_bounded_loop_that_outran_the_calls_says_so(self, net, x8):
+        """Found by a hunt: ``tracer.iter[0:5]`` over a module the model calls twice ends with
+        the forward too, but the error for a read after it called the loop open and advised
+        bounding it (``tracer.iter[k:n]``), which it already was. It now names the call the
+        loop asked for and how many the module made; the steps it did run saw the hooks'
+        values."""
+        seen, _ = record(net, ["shared"], x8)
+        model = NNsight(net)
+        for steps in (slice(0, 5), slice(0, 4, 2), [1, 2]):
+            got = []
+            with pytest.raises(MissedModuleError) as info:
+                with model.trace(x8) as tracer:
+                    for step in tracer.iter[steps]:
+                        got.append(model.shared.output.clone())
+                    model.head.output.save()
+            msg = str(info.value)
+            assert "open step loop" not in msg and "tracer.iter[k:n]" not in msg, msg
+            assert re.search(r"model\.head\.output .*asked for call 2 of model\.shared, which "
+                             r"ran only 2 time", msg), msg
+            calls = range(2)[steps] if isinstance(steps, slice) else [1]
+            assert len(got) == len(calls)
+            for g, c in zip(got, calls):
+                torch.testing.assert_close(g, seen[("shared", c)], rtol=0, atol=0)
 
 
 class TestScan:
