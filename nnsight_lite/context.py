@@ -62,18 +62,7 @@ class BodyContext:
     _what = "trace"
 
     def __enter__(self):
-        try:
-            self._capture(sys._getframe(1))
-        except BaseException as err:  # a block that cannot run: the user's `with` line only
-            __tracebackhide__ = True  # noqa: F841  (pytest and IPython hide this frame)
-            clean(err, SkipBody)  # no capture internals (source lookup, body compiling)
-            if _PY311:
-                raise  # re-raised as it is: no frame of this function is added to it
-            raise err
-        return self._entered()
-
-    def _entered(self):
-        """What ``with ... as name`` binds: the context itself (an editor binds its model)."""
+        self._capture(sys._getframe(1))
         return self
 
     def _capture(self, frame) -> None:

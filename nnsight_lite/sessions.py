@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import TYPE_CHECKING
 
@@ -79,7 +80,8 @@ class Editor(BodyContext):
     def __init__(self, target):
         self._target = target
 
-    def _entered(self):
+    def __enter__(self):
+        self._capture(sys._getframe(1))
         # nnsight 0.8 binds `(tracer, edited)`: `as (tracer, edited)` unpacks the Envoy right
         # after this returns, and its __iter__ then gives (this editor, the Envoy) once
         self._target.__dict__["_unpacking"] = self
