@@ -113,10 +113,11 @@ class _Invoke:
 
 
 class _Body:
-    """A request's body as an invoke body (``assigned`` empty: nothing is published to the
-    other requests' invokes)."""
+    """A request's body as an invoke body (``assigned`` and ``binds`` empty: nothing is
+    published to the other requests' invokes, and none waits for another's names)."""
 
     __slots__ = ("code", "assigned")
+    binds = frozenset()
 
     def __init__(self, code):
         self.code = code
