@@ -22,7 +22,7 @@ import torch
 from . import batching
 from .errors import InferenceModeSwitchError, InputError, OutOfOrderError
 from .messages import after_skip_error, late_error, missed_error, no_body_error
-from .tracebacks import record_reshape, record_skip
+from .tracebacks import record_reshape, record_skip, same_kind
 from .waits import NameWait, StopTrace
 from .workers import (
     _FINISHED,
@@ -284,8 +284,7 @@ class Mediator:
         else:
             old = self.get(envoy, kind)
         if value is not old and (value.__class__ is not _Tensor or old.__class__ is not _Tensor
-                                 or value.shape != old.shape or value.dtype is not old.dtype
-                                 or value.device != old.device):
+                                 or not same_kind(value, old)):
             record_reshape(self, envoy, kind, old, value)  # noted on an error it may lead to
         self.cur_value = value
         self.replaced = True

@@ -4,6 +4,8 @@
     clean(exc)             rewrite ``exc``'s traceback and context in place, unless
                            ``CONFIG.APP.DEBUG`` (or ``NNSIGHT_LITE_FULL_TRACEBACK=1`` at import)
                            asks for every frame, for debugging the runtime
+    same_kind(a, b)        whether two tensors agree in shape, dtype and device (the check
+                           before record_reshape, on every replacement)
     record_reshape(...)    a body replaced a module value with one of another shape, dtype or
                            device: remember who, where and both (on the replacement path only)
     record_skip(...)       a body skipped a module with a value of another shape than its input
@@ -121,7 +123,7 @@ def _locals_of(frame) -> dict:
     return names
 
 
-def _same_kind(a, b) -> bool:
+def same_kind(a, b) -> bool:
     """Whether tensors ``a`` and ``b`` agree in shape, dtype and device (what the layers after
     a replaced value depend on: a float32 steering vector added to a bfloat16 activation makes
     the next matmul fail on dtypes, far from the line that did it)."""
@@ -137,7 +139,7 @@ def _shape_change(old, new, depth: int = 2):
         return None
     if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
         if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) \
-                and _same_kind(old, new):
+                and same_kind(old, new):
             return None
         return "", old, new
     if depth and isinstance(old, (tuple, list)) and isinstance(new, (tuple, list)):
@@ -181,9 +183,8 @@ def _advice(target: str, was, now) -> str:
 def record_reshape(med, envoy, kind: str, old, new) -> None:
     """Called when ``med``'s body sets ``envoy``'s ``kind`` (``"output"``/``"input"``) to
     ``new`` where the model produced ``old``: if a tensor in it changes shape, keep a line
-    saying so on the trace's interleaver, for :func:`note_reshaped`."""
-    if new.__class__ is _TENSOR and old.__class__ is _TENSOR and _same_kind(new, old):
-        return  # (the usual case, first: plain tensors of one shape, dtype and device)
+    saying so on the trace's interleaver, for :func:`note_reshaped`. (Mediator.set calls it
+    only where the value is not a plain tensor of the old one's kind, see :func:`same_kind`.)"""
     found = _shape_change(old, new)
     if found is None:
         return
