@@ -26,7 +26,7 @@ from .envoy import Envoy, save
 from .errors import CacheError, ModulePathError, OutsideTraceError
 from .mediator import _MISSING, OUTPUT
 from .messages import backward_block_error, in_backward_block
-from .cache_view import CacheView, Entry, _key, _native
+from .cache_view import CacheView, Entry, _dotted, _key, _native
 from .calls import Slot
 from .workers import _getcurrent, user_location
 
@@ -126,7 +126,7 @@ def _select(model: Envoy, inter, modules) -> list:
 def _by_path(named: dict, path: str, model: Envoy) -> torch.nn.Module:
     """The module at ``path``: ``"model.layer1"`` (a cache key), ``"layer1"``, ``"h[0]"``, or a
     path through ``rename=`` aliases (``"layers.0.ffn"``)."""
-    clean = path.replace("[", ".").replace("]", "").replace("'", "").replace('"', "")
+    clean = _dotted(path)
     tries = []
     if clean == "model":
         tries.append("")

@@ -12,6 +12,7 @@ Both pickle without the model (a view loaded from a pickle answers by path only)
 from __future__ import annotations
 
 import difflib
+import itertools
 import weakref
 from collections.abc import Mapping
 
@@ -25,6 +26,11 @@ def _key(name: str) -> str:
     return "model." + name if name else "model"
 
 
+def _dotted(key: str) -> str:
+    """A cache key with its indexing written as dots: ``h[0]`` -> ``h.0``, ``d['a']`` -> ``d.a``."""
+    return key.replace("[", ".").replace("]", "").replace("'", "").replace('"', "")
+
+
 def _native(root: "Envoy | None", key: str, base: str = "") -> "str | None":
     """The ``named_modules()`` path of the module ``key`` names through the model's Envoys, or
     None: a path through ``rename=`` aliases (``"model.layers.0.ffn"``), one without the
@@ -33,8 +39,7 @@ def _native(root: "Envoy | None", key: str, base: str = "") -> "str | None":
     aliases are followed, never an Envoy property (a key is no request for a value)."""
     if root is None:
         return None
-    clean = key.replace("[", ".").replace("]", "").replace("'", "").replace('"', "")
-    parts = clean.lstrip(".").split(".")  # ("[1]": the root's child 1)
+    parts = _dotted(key).lstrip(".").split(".")  # ("[1]": the root's child 1)
     tries = [parts[1:], parts] if parts[0] == "model" and not base else [parts]
     for names in tries:
         env = root._get_path(base) if base else root
@@ -119,11 +124,13 @@ class Entry:
         # relative first: below an HF causal LM's root, "model" is its child `model`
         tries = (f"{name}.{key}" if name else key,) + ((full,) if full is not None else ())
         # then through aliases (e["ffn"]), relative first, as nnsight's navigation resolves it
-        for n in tries + (_native(self._view()._root, key, name), _native(self._view()._root, key)):
+        # (walked only where the plain paths miss)
+        root = self._view()._root
+        for n in itertools.chain(tries, (_native(root, key, base) for base in (name, ""))):
             if n is not None and _within(n, name) and n in records:
                 return self._view().__getitem__(_key(n))
-        raise CacheKeyError(f"{key!r} is not a module inside {_key(name)} in this cache; its keys: "
-                       f"{', '.join(self.keys()[:8])}")
+        raise CacheKeyError(f"{key!r} is not a module inside {_key(name)} in this cache; its "
+                            f"keys: {', '.join(self.keys()[:8])}")
 
     def _records(self):
         view = self._view() if self._view is not None else None
