@@ -30,7 +30,7 @@ from collections import OrderedDict
 import greenlet
 import torch
 
-from .backward_errors import _FREED, BackwardErrors, _describe, missed_error
+from .backward_errors import _FREED, BackwardErrors, _describe, missed_error, no_grad_trace
 from .capture import GRAD_NAME, SET_GRAD_NAME
 from .context import RUNTIME, BodyContext, body_job
 from .batching import merge
@@ -242,7 +242,7 @@ class Backward(BackwardErrors, BodyContext):
                 f"`with loss.backward():` at {user_location()}: the loss ({_describe(loss)}) does "
                 "not require grad, so there is no backward pass to run. It was computed under "
                 "torch.no_grad()/inference_mode or only from tensors that do not require grad; "
-                "compute it with grad enabled." + _no_grad_trace()
+                "compute it with grad enabled." + no_grad_trace()
             )
         code = self._body.code
         self._runner = _getcurrent()
@@ -377,12 +377,3 @@ def _rows_of(t):
 def _seq_of(t):
     fn = t.grad_fn
     return fn._sequence_nr() if fn is not None else None
-
-
-def _no_grad_trace() -> str:
-    """A sentence naming the trace that runs the model without gradients, where the body
-    running now is in one (a generate); else ""."""
-    med = getattr(_getcurrent(), "mediator", None)
-    by = getattr(med.interleaver, "no_grad_by", None) if med is not None else None
-    return (f" This body runs in {by}, so nothing it reads has a gradient: compute gradients "
-            "in a `with model.trace(...):` instead") if by else ""

@@ -6,6 +6,7 @@
       _bad_request          a ``.grad`` read of a non-tensor, of a tensor that does not
                             require grad, or after the backward finished
     missed_error          a ``.grad`` read that backprop never answered, with the likely reason
+    no_grad_trace         the sentence naming generate where a loss has no gradient there
     _describe             a value as a message names it: a tensor's shape and dtype
     _FREED                the words of autograd's message that ``_freed_error`` replaces
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .errors import GradientError
-from .workers import user_location
+from .workers import _getcurrent, user_location
 
 _FREED = "backward through the graph a second time"  # autograd's message, freed graph
 
@@ -97,6 +98,15 @@ def missed_error(t, where: str, inputs, last, loss=None) -> GradientError:
                "loss is computed from it, and read gradients in reverse execution order")
     return GradientError(f".grad of {_describe(t)} was read at {where}, but backprop never "
                          f"reached it: {why}.")
+
+
+def no_grad_trace() -> str:
+    """A sentence naming the trace that runs the model without gradients, where the body
+    running now is in one (a generate); else ""."""
+    med = getattr(_getcurrent(), "mediator", None)
+    by = getattr(med.interleaver, "no_grad_by", None) if med is not None else None
+    return (f" This body runs in {by}, so nothing it reads has a gradient: compute gradients "
+            "in a `with model.trace(...):` instead") if by else ""
 
 
 def _graph_holds(loss, tensors) -> list:
