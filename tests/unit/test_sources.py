@@ -213,19 +213,24 @@ RELOADED = textwrap.dedent("""
 
 
 class TestIPythonAutoreload:
+    @staticmethod
+    def _imported(module_dir, seq):
+        """The model, an input, and RELOADED written, imported and recorded by IPython's own
+        reloader (what the autoreload extension records before each cell)."""
+        dedup = pytest.importorskip("IPython.extensions.deduperreload.deduperreload")
+        path = module_dir / "reloaded_mod.py"
+        path.write_text(RELOADED)
+        mod = importlib.import_module("reloaded_mod")
+        reloader = dedup.DeduperReloader()
+        reloader.update_sources()
+        return NNsight(seq), torch.randn(2, 6), path, mod, reloader
+
     def test_functions_autoreload_recompiled_run_their_edited_bodies(self, module_dir, seq):
         """IPython 9's `%autoreload 2` patches an edited function with code compiled from its
         definition alone (line numbers counted from the `def`, not the file): a function, a
         decorated one, a closure in one and a method of an existing object all run their edited
         body (reloaded by IPython's own reloader, as the autoreload extension calls it)."""
-        dedup = pytest.importorskip("IPython.extensions.deduperreload.deduperreload")
-        model = NNsight(seq)
-        x = torch.randn(2, 6)
-        path = module_dir / "reloaded_mod.py"
-        path.write_text(RELOADED)
-        mod = importlib.import_module("reloaded_mod")
-        reloader = dedup.DeduperReloader()
-        reloader.update_sources()  # what the extension records before each cell
+        model, x, path, mod, reloader = self._imported(module_dir, seq)
         prober = mod.Prober(model)
 
         def read_all():
@@ -250,14 +255,7 @@ class TestIPythonAutoreload:
     def test_a_file_edited_again_since_the_reload_is_refused(self, module_dir, seq):
         """The definition rebuilt from the file must be the running code: after another edit
         with no reload, the block raises SourceUnavailableError instead of running it."""
-        dedup = pytest.importorskip("IPython.extensions.deduperreload.deduperreload")
-        model = NNsight(seq)
-        x = torch.randn(2, 6)
-        path = module_dir / "reloaded_mod.py"
-        path.write_text(RELOADED)
-        mod = importlib.import_module("reloaded_mod")
-        reloader = dedup.DeduperReloader()
-        reloader.update_sources()
+        model, x, path, mod, reloader = self._imported(module_dir, seq)
         path.write_text(RELOADED.replace("output.save()", "output.mul(3).save()"))
         assert reloader.maybe_reload_module(mod)
         path.write_text(RELOADED.replace("output.save()", "output.mul(5).save(); 1 / 0"))
