@@ -61,9 +61,22 @@ class BodyContext:
 
     _what = "trace"
 
+    _binds = None  # what ``with ... as name`` binds where it is not the context (an editor)
+
     def __enter__(self):
-        self._capture(sys._getframe(1))
-        return self
+        try:
+            self._capture(sys._getframe(1))
+        except BaseException as err:  # a block that cannot run: the user's `with` line only
+            __tracebackhide__ = True  # noqa: F841  (pytest and IPython hide this frame)
+            clean(err, SkipBody)  # no capture internals (source lookup, body compiling)
+            if _PY311:
+                raise  # re-raised as it is: no frame of this function is added to it
+            raise err
+        # No Python call from here to the body: skip_body's tracers are set. (A method call
+        # here hung the serving thread of a Ray replica re-running a batched request alone,
+        # tests/remote/test_remote_batching.py -k failing; not understood, see the notes.)
+        binds = self._binds
+        return self if binds is None else binds
 
     def _capture(self, frame) -> None:
         """Find the body of the with-statement ``frame`` is entering and arrange to skip it."""

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import TYPE_CHECKING
 
@@ -80,19 +79,19 @@ class Editor(BodyContext):
     def __init__(self, target):
         self._target = target
 
-    def __enter__(self):
-        self._capture(sys._getframe(1))
+    def _capture(self, frame) -> None:
+        super()._capture(frame)
         # nnsight 0.8 binds `(tracer, edited)`: `as (tracer, edited)` unpacks the Envoy right
-        # after this returns, and its __iter__ then gives (this editor, the Envoy) once
+        # after __enter__ returns, and its __iter__ then gives (this editor, the Envoy) once
         self._target.__dict__["_unpacking"] = self
-        return self._target
+        self._binds = self._target  # `as edited` binds the model
 
     def __exit__(self, exc_type, exc, tb):
         self._target.__dict__.pop("_unpacking", None)
         return super().__exit__(exc_type, exc, tb)
 
     def _let_go(self) -> None:
-        self._target = None  # (0.8's `as (tracer, edited)` leaves this object bound)
+        self._target = self._binds = None  # (0.8's `as (tracer, edited)` leaves this object bound)
 
     def _on_exit(self, frame):
         # The caller's variables the body reads, as the edit was written. Those that are the

@@ -230,6 +230,16 @@ with model.trace(x):
         assert ":3" in cell.error["evalue"] and "model.0" in cell.error["evalue"].replace("[", ".").replace("]", "")
         assert k.clean() == []
 
+    def test_a_block_that_cannot_run_shows_the_cell_line_only(self, k):
+        """An error raised while entering a block (here `__enter__()` called without a `with`)
+        shows the cell's line, not the runtime's source lookup."""
+        cell = k.run("tracer_entered = model.trace(x).__enter__()")
+        assert cell.error["ename"] == "WithBlockNotFoundError"
+        tb = cell.error["traceback"]
+        assert "tracer_entered = model.trace(x).__enter__()" in tb
+        assert "nnsight_lite" not in tb.split("WithBlockNotFoundError: ")[0].split("Traceback")[-1]
+        assert k.clean() == []
+
 
 SLOW_MODEL = """
 import time

@@ -144,6 +144,55 @@ class TestBodyErrors:
                        for f in traceback.extract_tb(cause.__traceback__))
 
 
+class TestBlocksThatCannotRun:
+    """An error raised while entering a block (its source cannot be used, its body breaks a
+    rule) shows the user's `with` line, not the runtime's source lookup and body compiling."""
+
+    def test_a_module_edited_after_import(self, tmp_path, monkeypatch):
+        (tmp_path / "edited_probe.py").write_text(
+            "def probe(model, x):\n    with model.trace(x):\n        o = model.output.save()\n"
+            "    return o\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        import edited_probe
+
+        (tmp_path / "edited_probe.py").write_text(
+            "\n\ndef probe(model, x):\n    with model.trace(x):\n        o = model.output.mul(2).save()\n"
+            "    return o\n")
+        model = NNsight(_net())
+        with pytest.raises(nnsight_lite.SourceUnavailableError, match="edited after") as info:
+            edited_probe.probe(model, torch.randn(2, 4))
+        assert no_runtime_frames(info.value)
+        assert [f[:2] for f in frames(info.value)] == [
+            ("test_tracebacks.py", "test_a_module_edited_after_import"),
+            ("edited_probe.py", "probe")]
+
+    def test_a_body_on_the_with_line_and_enter_called_directly(self):
+        model = NNsight(_net())
+        x = torch.randn(2, 4)
+        with pytest.raises(nnsight_lite.errors.BodySyntaxError) as info:
+            with model.trace(x): model.output.save()  # noqa: E701
+        assert no_runtime_frames(info.value)
+        assert frames(info.value)[-1][2] == "with model.trace(x): model.output.save()  # noqa: E701"
+        with pytest.raises(nnsight_lite.errors.WithBlockNotFoundError) as info:
+            model.trace(x).__enter__()
+        assert no_runtime_frames(info.value)
+        assert frames(info.value)[-1][2] == "model.trace(x).__enter__()"
+
+    def test_an_edit_block(self):
+        """model.edit() enters through its own `as` binding: the same short traceback."""
+        model = NNsight(_net())
+        with pytest.raises(nnsight_lite.errors.WithBlockNotFoundError) as info:
+            model.edit().__enter__()
+        assert no_runtime_frames(info.value)
+        with model.edit() as edited:  # and a good edit block still binds the model
+            edited[1].output[:] = 0
+        x = torch.randn(2, 4)
+        with edited.trace(x):
+            out = edited.output.save()
+        net = model._module
+        assert torch.equal(out, net[2](torch.zeros(2, 8)))
+
+
 def _notes(exc) -> list:
     return list(getattr(exc, "__notes__", []))
 
