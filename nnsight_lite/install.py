@@ -31,6 +31,7 @@ from .calls import (
     _wrapper,
     traced_slot,
 )
+from .compiled import is_compiled
 from .errors import NNsightError
 from .mediator import _MISSING
 
@@ -238,6 +239,8 @@ def put_on(inter: "Interleaver") -> None:
     inter.slots = plan.slots
     for module, slot, _, wrapper, entry in flat:
         d = module.__dict__
+        if not inter.compiled and is_compiled(module):
+            inter.compiled = True
         prev = d.get("forward", _MISSING)
         if prev is not _MISSING:
             _check_not_shared(inter, slot, prev)

@@ -29,6 +29,7 @@ import torch
 
 from . import batching
 from .capture import IterationEnd
+from .compiled import eager
 from .calls import Slot, traced_slot
 from .errors import OutsideTraceError
 from .hooked import ModuleCall, run_for_body
@@ -64,6 +65,8 @@ class Interleaver:
     steps: "int | None" = None
     #: what runs the model without gradients, for errors about a loss that has none (generate)
     no_grad_by: "str | None" = None
+    #: whether the model holds modules torch.compile wrapped (their code runs eagerly: install)
+    compiled = False
 
     def __init__(self, root: torch.nn.Module, total: int = 1, home: "dict | None" = None):
         self.root = root
@@ -184,7 +187,12 @@ class Interleaver:
                             raise  # (an enclosing trace's tracer.stop(): it ends that one)
                         if self.stopped_early is None:  # and the later bodies still start:
                             self.stopped_early = exc.where  # their reads get MissedModuleError
-                output = forward() if self.stopped_early is None else None
+                if self.stopped_early is not None:
+                    output = None
+                elif self.compiled:
+                    output = eager(forward)
+                else:
+                    output = forward()
                 if self.raised is not None:  # a body's error that the model's code caught
                     _note(self.raised, "nnsight_lite: the model's own code caught this error "
                           "(an `except` around the module call that served the body) and went "

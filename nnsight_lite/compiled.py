@@ -1,0 +1,43 @@
+"""Models that hold torch.compile'd modules: a trace runs their code as plain Python.
+
+    is_compiled(module)   whether torch.compile wrapped the module or its call
+    eager(forward)        ``forward()`` with every torch.compile'd callable running eagerly
+
+A trace needs every module call of its forward in Python: the call entries and forward
+wrappers (calls.py) count each call and hand its values to the bodies, and the bodies run on
+greenlets switched to from inside those calls. Dynamo compiling such a forward would trace into
+the entries (a graph break at each), then into the bodies' own code, which it cannot compile
+(``NNsight(torch.compile(net))`` failed in dynamo's side-effect tracking; ``module.compile()``
+cost seconds of recompiles per trace, and each trace a recompile of the next plain call). So a
+trace of a model holding a compiled module runs its forward under
+``torch.compiler.set_stance("force_eager")``: the compiled modules run their original code, as
+the hooks of an eager forward see it, and their compiled code is untouched for calls outside
+traces. Only such models pay for the stance (~60 µs a trace).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .calls import _ENTRY, traced_slot
+
+
+def is_compiled(module) -> bool:
+    """Whether ``module`` is torch.compile's wrapper of a module (``torch.compile(net)``) or
+    has a compiled call of its own (``module.compile()``): not a trace's call entry."""
+    call = module.__dict__.get(_ENTRY)
+    if call is not None and traced_slot(call) is None:
+        return True
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # (never imported here: it is slow,
+    return dynamo is not None and isinstance(module, dynamo.OptimizedModule)  # and compiling did)
+
+
+def eager(forward):
+    """``forward()`` with torch.compile's callables running their original code."""
+    import torch
+
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:  # torch < 2.6: dynamo runs as it would (the trace may recompile)
+        return forward()
+    with set_stance("force_eager"):
+        return forward()

@@ -1,0 +1,110 @@
+"""Models holding torch.compile'd modules: traces read and edit them as eager hooks see them,
+and leave their compiled code alone (compiled.py).
+
+Ground truth is the eager module with forward hooks. Dynamo's own counters tell whether a
+trace compiled anything: ``frames.total`` counts the frames dynamo has tried to compile.
+``backend="eager"`` keeps dynamo (frames, guards, graph breaks) and skips inductor's C++.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from nnsight_lite import NNsight
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.act = torch.nn.ReLU()
+        self.fc2 = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Block(), Block(), torch.nn.Linear(8, 4))
+
+
+def _hooked(net, x, module, edit=None):
+    """The eager forward with a hook keeping ``module``'s output (and applying ``edit`` to it)."""
+    kept = {}
+
+    def hook(mod, args, out):
+        if edit is not None:
+            out = edit(out)
+        kept["out"] = out.detach().clone()
+        return out
+
+    handle = module.register_forward_hook(hook)
+    try:
+        return kept, net(x)
+    finally:
+        handle.remove()
+
+
+def _frames():
+    return counters["frames"]["total"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_model_compiled_whole():
+    """``NNsight(torch.compile(net))``: dynamo tried to compile the bodies' code and failed."""
+    net = _net()
+    compiled = torch.compile(net, backend="eager")
+    x = torch.randn(3, 8)
+    compiled(x)  # compiled once, before any trace
+    frames = _frames()
+    model = NNsight(compiled)
+    ref_mid, _ = _hooked(net, x, net[0].fc1)
+    ref_edit, ref_out = _hooked(net, x, net[1], edit=lambda o: o * 0)
+    for _ in range(3):
+        with model.trace(x):
+            mid = model[0].fc1.output.save()  # (indexes the compiled module's _orig_mod)
+            model._orig_mod[1].output[:] = 0
+            out = model.output.save()
+        assert torch.equal(mid, ref_mid["out"]) and torch.equal(out, ref_out)
+        assert torch.equal(compiled(x), net(x))  # the compiled call outside traces
+    assert _frames() == frames  # no trace compiled anything, nor made the compiled call recompile
+
+
+def test_compiled_submodules():
+    """``block.compile()`` and ``net[i] = torch.compile(net[i])`` inside the model: modules
+    inside them are read and edited too, and their compiled calls stay as they were."""
+    eager = _net()  # the same weights, nothing compiled: the ground truth
+    net = _net()
+    net[0].compile(backend="eager")
+    net[1] = torch.compile(net[1], backend="eager")
+    x = torch.randn(3, 8)
+    net(x)
+    frames = _frames()
+    model = NNsight(net)
+    ref_act, _ = _hooked(eager, x, eager[0].act, edit=lambda o: o + 1)
+    ref_fc2, ref_out = {}, None
+    handle = eager[1].fc2.register_forward_hook(lambda m, a, o: ref_fc2.setdefault("out", o))
+    try:
+        _, ref_out = _hooked(eager, x, eager[0].act, edit=lambda o: o + 1)
+    finally:
+        handle.remove()
+    for _ in range(2):
+        with model.trace(x):
+            model[0].act.output[:] += 1
+            act = model[0].act.output.save()
+            fc2 = model[1]._orig_mod.fc2.output.save()
+            out = model.output.save()
+        assert torch.equal(act, ref_act["out"])
+        assert torch.equal(fc2, ref_fc2["out"]) and torch.equal(out, ref_out)
+    assert _frames() == frames
+    assert "_compiled_call_impl" in net[0].__dict__  # the block's compiled call is still there
+    assert torch.equal(net(x), eager(x))
