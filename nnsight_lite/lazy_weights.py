@@ -20,6 +20,7 @@ prompts or generate. It reads the model only through ``self`` (``_source``, ``_l
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,7 +65,11 @@ class LazyWeights:
         # its _from_config, which is what from_config calls)
         make = getattr(auto, "from_config", None) or auto._from_config
         with torch.device("meta"):
-            return make(config, **build)
+            module = make(config, **build)
+        # what the config was when built: the changes made to it before loading are carried
+        # over to the loaded model's config (dispatch)
+        self.__dict__["_config_built"] = _config_state(getattr(module, "config", None))
+        return module
 
     def _load(self) -> torch.nn.Module:
         return self._auto().from_pretrained(self._source, **self._load_kwargs)
@@ -84,7 +89,15 @@ class LazyWeights:
         """
         if not self.dispatched:
             shared = self.__dict__.get("_weights_from")  # an edited copy: the original's weights
-            _rebind(self, self._load() if shared is None else shared.dispatch()._module)
+            if shared is not None:
+                _rebind(self, shared.dispatch()._module)
+                return self
+            loaded = self._load()
+            built = self.__dict__.pop("_config_built", None)
+            if built is not None:
+                _carry_config(getattr(self._module, "config", None), built,
+                              getattr(loaded, "config", None))
+            _rebind(self, loaded)
         return self
 
     def _load_deferred(self, method: "str | None" = None) -> bool:
@@ -111,6 +124,43 @@ _LOADS_FIRST = frozenset({
     "compile", "tie_weights", "resize_token_embeddings", "set_input_embeddings",
     "set_output_embeddings", "gradient_checkpointing_enable",
 })
+# (``set_attn_implementation`` and the like change the config only: carried over at loading)
+
+
+def _config_state(config) -> "dict | None":
+    """A copy of an HF config's attributes (its sub-configs' too), to compare against later."""
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    try:
+        return {k: (_config_state(v) if hasattr(v, "to_dict") and hasattr(v, "__dict__")
+                    else copy.deepcopy(v)) for k, v in vars(config).items()}
+    except Exception:  # (an attribute that cannot be copied: nothing is carried over)
+        return None
+
+
+def _carry_config(meta, built: dict, loaded) -> None:
+    """Set on ``loaded`` (the loaded model's config) the attributes of ``meta`` (the placeholder
+    model's config) changed since it was built (``built``): ``model.config.use_cache = False``
+    or ``model.set_attn_implementation("eager")`` before the first trace, which loading the
+    weights would otherwise drop, silently (nnsight 0.8.1 drops them)."""
+    if meta is None or loaded is None:
+        return
+    for key, value in vars(meta).items():
+        before = built.get(key, _NOT_SET)
+        if isinstance(before, dict) and hasattr(value, "to_dict") and hasattr(value, "__dict__"):
+            _carry_config(value, before, getattr(loaded, key, None))  # a sub-config, in place
+        elif before is _NOT_SET or not _same(before, value):
+            setattr(loaded, key, copy.deepcopy(value))
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # (tensors and the like: compared by identity of their copies)
+        return False
+
+
+_NOT_SET = object()
 
 
 def _auto_class(automodel):

@@ -208,6 +208,32 @@ class TestLoading:
                 assert all(p is q for p, q in zip(params, lm._module.parameters()))
                 assert not any(p.is_meta for p in params)
 
+    def test_config_changes_before_loading_survive_it(self, model_dirs, arch):
+        """``model.config.x = ...`` or ``set_attn_implementation(...)`` on a model still on meta
+        changed the placeholder's config only, and loading dropped it (nnsight 0.8.1 too): the
+        changes are carried over to the loaded model's config, which the trace then follows as
+        plain HF given the same config does."""
+        lm = quiet(LanguageModel, model_dirs[arch])
+        lm.config.output_hidden_states = True
+        lm.config.use_cache = False
+        lm.set_attn_implementation("eager")
+        assert not lm.dispatched  # (none of these loads the weights)
+        with lm.trace("hello world"):
+            out = lm.output.save()
+        config = lm._module.config
+        assert config.output_hidden_states and not config.use_cache
+        assert config._attn_implementation == "eager"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dirs[arch], attn_implementation="eager")
+        ids = lm.tokenizer("hello world", return_tensors="pt")
+        with torch.no_grad():
+            plain = hf(**ids, output_hidden_states=True, use_cache=False)
+        assert out.past_key_values is None and len(out.hidden_states) == len(plain.hidden_states)
+        for mine, theirs in zip(out.hidden_states, plain.hidden_states):
+            torch.testing.assert_close(mine, theirs)
+        untouched = quiet(LanguageModel, model_dirs[arch]).dispatch()  # nothing changed: as saved
+        assert not untouched._module.config.output_hidden_states
+
     def test_dispatch_true_loads_now(self, model_dirs, arch):
         lm = quiet(LanguageModel, model_dirs[arch], dispatch=True)
         assert lm.dispatched
