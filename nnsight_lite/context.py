@@ -72,9 +72,10 @@ class BodyContext:
             if _PY311:
                 raise  # re-raised as it is: no frame of this function is added to it
             raise err
-        # No Python call from here to the body: skip_body's tracers are set. (A method call
-        # here hung the serving thread of a Ray replica re-running a batched request alone,
-        # tests/remote/test_remote_batching.py -k failing; not understood, see the notes.)
+        # skip_body's tracers are set from here to the body's first line. (A method call here
+        # once hung a Ray replica: remote/execute.Deadline left CPython 3.11's async-exception
+        # flag raised, and then any Python function entered while a trace function is set
+        # spins in the eval loop; Deadline no longer does, see its docstring.)
         binds = self._binds
         return self if binds is None else binds
 

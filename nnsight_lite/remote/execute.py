@@ -185,12 +185,21 @@ class Deadline:
     The exception is raised asynchronously (at the next bytecode the thread runs, in whatever
     body or forward is running), so pure-Python loops stop too; the trace then cleans up as
     after any error in a body. A pending exception not yet delivered when the block ends is
-    cancelled, so it never reaches the next request."""
+    taken there (``_take_pending``), so it never reaches the next request.
+
+    Nothing is cancelled with ``PyThreadState_SetAsyncExc(thread, NULL)``: on CPython 3.11 that
+    call raises the interpreter's "async exception pending" flag even though no exception is
+    pending, and only delivering a real one lowers it again. With the flag stuck, every Python
+    function entered while a trace function is set (``sys.settrace``: a with-statement's header
+    after a trace's ``__enter__`` set its body skipper, ``with model.trace(x), other():``, or a
+    debugger or coverage) spins forever in the eval loop on its first instruction, holding the
+    GIL; so every request after the first on a replica with a time limit could hang."""
 
     def __init__(self, seconds: float | None):
         self.seconds = seconds
         self._lock = threading.Lock()
         self._running = False
+        self._fired = False
         self._timer = None
 
     def __enter__(self):
@@ -206,13 +215,32 @@ class Deadline:
     def _fire(self):
         with self._lock:
             if self._running:
+                self._fired = True
                 _set_async_exc(self._thread, _Stopped)
 
     def __exit__(self, *exc):
         if self._timer is None:
             return False
         with self._lock:
-            self._running = False
-            _clear_async_exc(self._thread, None)  # cancel one not yet delivered
+            self._running = False  # (the timer cannot fire from here on)
+            if self._fired:  # its _Stopped may not have been delivered yet
+                _take_pending(self._thread)
         self._timer.cancel()
         return False
+
+
+class _Taken(BaseException):
+    """What ``_take_pending`` raises in its own thread, and catches at once."""
+
+
+def _take_pending(thread: int) -> None:
+    """Drop an async exception ``thread`` (this one) may have pending: replace it with
+    ``_Taken`` and let it be delivered here, which also lowers the interpreter's pending flag
+    (cancelling with NULL would leave that raised; see Deadline)."""
+    try:
+        _set_async_exc(thread, _Taken)
+        for _ in range(1_000_000):  # delivered at the first backward jump
+            pass
+    except _Taken:
+        return
+    _clear_async_exc(thread, None)  # (not reached: delivery is not deferred past a loop)

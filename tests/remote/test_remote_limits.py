@@ -4,6 +4,7 @@ it back."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -39,6 +40,30 @@ def test_time_limit_stops_body_and_replica_stays_healthy(served, mlp_model):
     with model.trace(_x(), backend=backend):
         out = model.output.save()
     assert torch.allclose(out, model._module(_x()))
+
+
+def test_a_header_calling_python_after_the_trace_runs_on_a_replica_that_served_before(
+        served, mlp_model):
+    """`with model.trace(x, backend=b), contextlib.nullcontext():` on a replica whose earlier
+    request ran under a time limit: the replica's Deadline used to cancel a pending stop with
+    PyThreadState_SetAsyncExc(thread, NULL), which on CPython 3.11 leaves the interpreter's
+    async-exception flag raised; the nullcontext's __enter__, entered while the trace's body
+    skipper is set, then spun in the eval loop until the time limit (RemoteTimeoutError after
+    5 s here; 600 s under the server's default). Same with `as t, ExitStack()`."""
+    model = mlp_model
+    x = _x()
+    backend = remote.Backend("mlp", time_limit=5.0)
+    backend._replicas["mlp"] = replicas_of("mlp")[:1]  # every request goes to one replica
+    with model.trace(x, backend=backend):
+        first = model.output.save()
+    start = time.perf_counter()
+    with model.trace(x, backend=backend), contextlib.nullcontext():
+        h = model[0].output.save()
+    with model.trace(x, backend=backend) as tracer, contextlib.ExitStack():
+        out = model.output.save()
+    assert time.perf_counter() - start < 4
+    assert torch.allclose(first, model._module(x)) and torch.allclose(out, model._module(x))
+    assert torch.allclose(h, model._module[0](x)) and tracer is not None
 
 
 def test_byte_cap(served, mlp_model):

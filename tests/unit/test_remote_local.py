@@ -3,12 +3,16 @@ values it reads), run by the server's code on this process's model, and answered
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import pytest
 import torch
 
 import nnsight_lite
 from nnsight_lite import NNsight
 from nnsight_lite.errors import RemoteError
+from nnsight_lite.remote.execute import Deadline
 
 
 def test_a_local_remote_trace_equals_plain_torch(seq):
@@ -97,3 +101,31 @@ def test_a_cache_from_a_remote_trace_navigates_like_a_local_one(seq):
         torch.testing.assert_close(cache[1].output, want[2])
         torch.testing.assert_close(cache.model[2].output, want[3])
         torch.testing.assert_close(cache["model.3"].output, want[4])
+
+
+def test_a_trace_header_entering_python_after_a_time_limited_block_runs(seq):
+    """A replica runs every request under its time limit (remote.execute.Deadline). Leaving
+    such a block, whether the limit was reached or not, must leave this thread able to run
+    `with model.trace(x), contextlib.nullcontext():`, whose nullcontext.__enter__ is entered
+    while the trace's body skipper (a trace function) is set. Deadline used to cancel with
+    PyThreadState_SetAsyncExc(thread, NULL), which on CPython 3.11 leaves the interpreter's
+    async-exception flag raised: that __enter__ then spun in the eval loop (here, until the
+    guarding Deadline(5) stopped it)."""
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    with Deadline(60):  # not reached
+        pass
+    with pytest.raises(RemoteError, match="time limit"):
+        with Deadline(0.2):  # reached: a pure-Python loop is stopped
+            while True:
+                pass
+    for _ in range(2):
+        start = time.perf_counter()
+        with Deadline(5):  # only a guard: this must end long before
+            with model.trace(x), contextlib.nullcontext():
+                h = model[1].output.save()
+            with model.trace(x) as tracer, contextlib.ExitStack():
+                out = tracer.result.save()
+        assert time.perf_counter() - start < 4
+        torch.testing.assert_close(h, seq[1](seq[0](x)))
+        torch.testing.assert_close(out, seq(x))
