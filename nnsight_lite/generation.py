@@ -11,6 +11,8 @@ count their calls like any other module's.
 
 from __future__ import annotations
 
+import sys
+
 from typing import TYPE_CHECKING
 
 import torch
@@ -174,6 +176,10 @@ class Generator(Tracer):
         # edit values the forward made without grad with grad on, and an in-place edit of a
         # view that mixes in a tensor requiring grad, a steering vector, is then an error)
         inter.no_grad_by = "model.generate (HF generate runs the model under torch.no_grad())"
+        # HF generate compiles the model's forward itself with a compileable cache (static,
+        # hybrid) on an accelerator: that compiled call runs eagerly in the trace (compiled.py)
+        if sys.modules.get("torch._dynamo") is not None:
+            inter.compiled = True
         with torch.no_grad():
             return super()._interleave(inter, made, args, kwargs)
 

@@ -108,3 +108,35 @@ def test_compiled_submodules():
     assert _frames() == frames
     assert "_compiled_call_impl" in net[0].__dict__  # the block's compiled call is still there
     assert torch.equal(net(x), eager(x))
+
+
+def test_generate_with_a_cache_hf_compiles_for():
+    """HF generate compiles the model's forward itself where the cache is compileable (static,
+    hybrid) on an accelerator; a traced generate then had dynamo compile through the trace (43
+    frames here). ``_compile_all_devices`` makes HF do on the CPU what it does on a GPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from nnsight_lite import LanguageModel
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)).eval()
+    ids = torch.randint(0, 64, (1, 5))
+    compile_config = CompileConfig(fullgraph=False, backend="eager")
+    compile_config._compile_all_devices = True
+    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static", pad_token_id=0)
+    kept = []
+    handle = hf.model.layers[0].register_forward_hook(lambda m, a, o: kept.append(o.clone()))
+    try:  # the ground truth: the same generate, eager, with a hook
+        ref = hf.generate(ids, disable_compile=True, **kw)
+    finally:
+        handle.remove()
+    model = LanguageModel(hf)
+    frames = _frames()
+    with model.generate(ids, compile_config=compile_config, **kw) as tracer:
+        first = model.model.layers[0].output.save()
+        out = tracer.result.save()
+    assert _frames() == frames
+    assert torch.equal(out, ref) and torch.equal(first, kept[0])
