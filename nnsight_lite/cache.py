@@ -24,7 +24,7 @@ import torch
 from . import batching
 from .envoy import Envoy, save
 from .errors import CacheError, ModulePathError, OutsideTraceError
-from .mediator import _MISSING, OUTPUT
+from .mediator import _MISSING, INPUT, OUTPUT
 from .messages import backward_block_error, in_backward_block
 from .cache_view import CacheView, Entry, _dotted, _key, _native
 from .calls import Slot
@@ -81,9 +81,9 @@ def open_cache(tracer, modules=None, *, device=torch.device("cpu"), dtype=None,
     observer = _Observer(view._records, inter, med.batch, device, dtype, detach, non_blocking)
     for slot in slots:
         if include_inputs:
-            observer.wait(slot.wait_in, 0)
+            observer.wait(inter.wait_table(slot, INPUT), 0)
         if include_output:
-            observer.wait(slot.wait_out, 0)
+            observer.wait(inter.wait_table(slot, OUTPUT), 0)
     view._include_inputs = include_inputs
     return save(view)
 
@@ -150,7 +150,7 @@ class _Observer:
     """Waits in the wait tables like a body, but only records; sorts after every body."""
 
     __slots__ = ("index", "records", "by_slot", "names", "total", "rows", "device", "dtype",
-                 "detach", "non_blocking", "skip_value")
+                 "detach", "non_blocking", "skip_value", "inter")
 
     switches = False  # it records in place: serving it switches to no body (see Interleaver)
 
@@ -160,6 +160,7 @@ class _Observer:
         self.by_slot = {}  # the same entries by Slot
         self.names = {}  # Slot -> its named_modules() path, each worked out once (_name_of)
         self.total = inter.total
+        self.inter = inter  # (whose wait tables it waits in; they hold it until the trace ends)
         self.rows = rows  # (start, size) of the invoke that opened it, or None (whole batch)
         self.device = torch.device(device) if device is not None else None
         self.dtype = dtype
@@ -185,11 +186,11 @@ class _Observer:
             entry = self.by_slot[slot] = self.records[self._name_of(slot)] = Entry(slot.module)
         if kind is OUTPUT:
             entry._outputs.append(self._take(value))
-            self.wait(slot.wait_out, call + 1)
+            self.wait(self.inter.wait_table(slot, OUTPUT), call + 1)
         else:
             args, kwargs = value
             entry._inputs.append((self._take(tuple(args)), self._take(dict(kwargs))))
-            self.wait(slot.wait_in, call + 1)
+            self.wait(self.inter.wait_table(slot, INPUT), call + 1)
         return value
 
     def _name_of(self, slot) -> str:

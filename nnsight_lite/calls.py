@@ -64,8 +64,11 @@ class Slot:
         self.gen = -1  # the serial of the trace the counters below count for
         self.n_in = 0  # calls whose input stage has begun
         self.n_out = 0  # calls that have produced their output
-        self.wait_in = {}
-        self.wait_out = {}
+        # call -> the bodies waiting for that call's input / output, sorted by invoke; None
+        # while none ever waited in this trace (Interleaver.wait_table makes them): a forward
+        # then reads no table object per module call, only this slot
+        self.wait_in = None
+        self.wait_out = None
         self.elsewhere = -1  # the serial of the last trace that saw it called on another thread
 
     @property

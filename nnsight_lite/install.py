@@ -83,7 +83,7 @@ class _Bulk:
     """
 
     __slots__ = ("dicts", "wrappers", "entries", "slots", "modules", "types", "classes", "funcs",
-                 "leaves", "inner", "inner_dicts", "snaps", "waits")
+                 "leaves", "inner", "inner_dicts", "snaps")
 
     def __init__(self, flat):
         self.modules = [m for m, _, _, _, _ in flat]
@@ -99,7 +99,6 @@ class _Bulk:
         self.inner = [m._modules for m, _, c, _, _ in flat if c]
         self.inner_dicts = [m.__dict__ for m, _, c, _, _ in flat if c]  # (where ``inner`` is)
         self.snaps = [dict(c) for _, _, c, _, _ in flat if c]
-        self.waits = [s.wait_in for s in self.slots] + [s.wait_out for s in self.slots]
 
     @classmethod
     def of(cls, flat) -> "_Bulk | None":
@@ -159,8 +158,6 @@ def _bulk_uninstall(b: _Bulk) -> None:
         dicts = b.dicts  # compiled, module.compile(), keeps its compiled call)
         _drain(map(dict.pop, compress(dicts, map(is_, map(dict.get, dicts, _ENTRIES), entries)),
                    _ENTRIES))
-    if any(b.waits):
-        _drain(map(dict.clear, b.waits))
 
 
 def _same_tree(flat) -> bool:
@@ -338,8 +335,9 @@ def take_off(inter: "Interleaver") -> None:
                 if d.get(_ENTRY) is slot.entered:  # (not a compile a body made since)
                     del d[_ENTRY]
                 slot.entered = None
-            slot.wait_in.clear()
-            slot.wait_out.clear()
+    for slot in inter.waited:  # (the bodies that waited there are done or unwound next)
+        slot.wait_in = slot.wait_out = None
+    inter.waited.clear()
     plan = getattr(inter, "_plan", None)
     if plan is not None:
         plan.inter = None

@@ -87,6 +87,7 @@ class Interleaver:
         self.sources = None  # source.SourceRun: forwards running instrumented in this trace
         self._bulk = None  # the plan's _Bulk when this trace swapped forwards all at once
         self.held = []  # (Envoy __dict__, child name, child Envoy) put there for this trace
+        self.waited: list[Slot] = []  # the slots wait_table gave wait tables in this trace
 
     def add(self, run, batch=None, scope=None) -> Mediator:
         med = Mediator(self, len(self.mediators), run, batch, scope)
@@ -295,7 +296,7 @@ class Interleaver:
             self.name_waiters.append(med)
             return
         slot, kind, call = req
-        table = slot.wait_out if kind is OUTPUT else slot.wait_in
+        table = self.wait_table(slot, kind)
         waiting = table.get(call)
         if waiting is None:
             table[call] = [med]
@@ -303,6 +304,19 @@ class Interleaver:
             waiting.append(med)
         else:
             insort(waiting, med, key=_med_index)
+
+    def wait_table(self, slot: Slot, kind) -> dict:
+        """``slot``'s table of bodies waiting for its input or output (``kind``), made here on
+        first use in this trace; take_off sets the tables made back to None."""
+        table = slot.wait_out if kind is OUTPUT else slot.wait_in
+        if table is None:
+            table = {}
+            if kind is OUTPUT:
+                slot.wait_out = table
+            else:
+                slot.wait_in = table
+            self.waited.append(slot)
+        return table
 
     def earlier_alive(self, med: Mediator) -> bool:
         """Whether an invoke before ``med`` may still run (and bind names ``med`` waits for)."""
