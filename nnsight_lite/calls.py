@@ -50,11 +50,15 @@ class Slot:
     then costs nothing per module that it does not reach.
     """
 
-    __slots__ = ("module", "parent", "attr", "n_in", "n_out", "gen", "live", "wait_in",
-                 "wait_out", "prev_forward", "orig", "entered", "elsewhere")
+    # (what ``enter`` reads at every call first, side by side: a forward that streams large
+    # weights pushes the slots out of the caches, and each call then reads its slot again)
+    __slots__ = ("live", "d", "gen", "n_in", "n_out", "wait_in", "wait_out", "orig",
+                 "call_impl", "module", "parent", "attr", "prev_forward", "entered", "elsewhere")
 
     def __init__(self, module, parent, attr, live):
         self.module = module
+        self.d = None  # the module's __dict__ (its hook tables), where it has a call entry
+        self.call_impl = None  # torch's own _call_impl of the module, bound (_entry)
         self.orig = None  # the forward the wrapper calls (set at every install)
         self.prev_forward = _UNSWAPPED  # the instance ``forward`` entry the wrapper replaced
         self.entered = None  # the module's call entry (_entry) while it is installed
@@ -100,6 +104,34 @@ class Slot:
         path = "model" + ("." + self.name if self.parent is not None else "")
         return _INDEX.sub(r"[\1]", path)
 
+    def enter(self, /, *args, **kwargs):
+        """The call entry (see _entry), bound to this slot: one call of the module in a trace.
+        (A bound method rather than a closure: a call reads this slot and a small method
+        object, not a function object, its closure and four cells, which a forward streaming
+        large weights pushes out of the caches between calls.)"""
+        live = self.live
+        inter = live.inter
+        d = self.d
+        if (inter is None or _getcurrent() is not inter.runner or d["_forward_hooks"]
+                or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
+                or _GFH or _GFPH or _GBH or _GBPH):
+            return self.call_impl(*args, **kwargs)
+        # (_counted, in line: this runs at every module call of a trace)
+        if self.gen == live.serial:
+            call = self.n_in
+        else:
+            self.gen = live.serial
+            call = self.n_out = 0
+        self.n_in = call + 1
+        if self.wait_in and call in self.wait_in:
+            args, kwargs, out = inter._serve_input(self, call, args, kwargs)
+        else:
+            out = self.orig(*args, **kwargs)
+        self.n_out += 1
+        if self.wait_out and call in self.wait_out:
+            out = inter._serve_output(self, call, out)
+        return out
+
 
 class _Live:
     """What the wrappers of one plan read at every call: the trace running now (or None) and
@@ -117,7 +149,13 @@ def traced_slot(forward) -> "Slot | None":
     """The Slot that ``forward``, a trace's forward wrapper (or call entry), counts for; None
     for any other callable (or None)."""
     slot = getattr(forward, "__wrapped__", None)
-    return slot if isinstance(slot, Slot) else None
+    if isinstance(slot, Slot):  # a forward wrapper
+        return slot
+    slot = getattr(forward, "__self__", None)  # a call entry: Slot.enter, bound
+    return slot if isinstance(slot, Slot) and forward.__func__ is _ENTER else None
+
+
+_ENTER = Slot.enter
 
 
 def _wrapper(slot: Slot, live: _Live):
@@ -177,32 +215,9 @@ def _entry(slot: Slot, live: _Live):
     # attribute reads of a module several times slower than a dict's)
     if type(module)._call_impl is not _CALL_IMPL or not _HOOKS.issubset(d):
         return None  # a class that calls in its own way, or a module torch did not set up
-    call_impl = module._call_impl
-
-    def entry(*args, **kwargs):
-        inter = live.inter
-        if (inter is None or _getcurrent() is not inter.runner or d["_forward_hooks"]
-                or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
-                or _GFH or _GFPH or _GBH or _GBPH):
-            return call_impl(*args, **kwargs)
-        # (_counted, in line: this runs at every module call of a trace)
-        if slot.gen == live.serial:
-            call = slot.n_in
-        else:
-            slot.gen = live.serial
-            call = slot.n_out = 0
-        slot.n_in = call + 1
-        if slot.wait_in and call in slot.wait_in:
-            args, kwargs, out = inter._serve_input(slot, call, args, kwargs)
-        else:
-            out = slot.orig(*args, **kwargs)
-        slot.n_out += 1
-        if slot.wait_out and call in slot.wait_out:
-            out = inter._serve_output(slot, call, out)
-        return out
-
-    entry.__wrapped__ = slot  # (as the forward wrapper's: the test suite looks for leftovers)
-    return entry
+    slot.d = d
+    slot.call_impl = module._call_impl
+    return slot.enter  # (made once, kept by the plan: install compares it by identity)
 
 
 _module_getstate = torch.nn.Module.__getstate__

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import nnsight_lite  # noqa: F401  (patches Tensor.save / Tensor.backward once)
-from nnsight_lite.calls import Slot
+from nnsight_lite.calls import traced_slot
 from nnsight_lite.install import _traced
 from tests.helpers import suspended_bodies
 
@@ -32,7 +32,7 @@ def _leftovers():
             d = m.__dict__
             for key in ("forward", "_compiled_call_impl"):
                 fn = d.get(key)
-                if fn is not None and isinstance(getattr(fn, "__wrapped__", None), Slot):
+                if fn is not None and traced_slot(fn) is not None:
                     bad.append(f"traced {key} left on {type(m).__name__}")
             if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks"):
                 bad.append(f"hook left on {type(m).__name__}")
