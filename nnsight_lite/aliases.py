@@ -34,6 +34,17 @@ import fnmatch
 import torch
 
 
+def child_module(module: torch.nn.Module, name: str):
+    """``module._modules.get(name)``: the child module ``name`` or None, also for a TorchScript
+    module (``torch.jit.script``/``trace``), whose ``_modules`` is an ``OrderedModuleDict`` with
+    no ``get``."""
+    children = module._modules
+    try:
+        return children.get(name)
+    except AttributeError:
+        return children[name] if name in children else None
+
+
 class Tree:
     """The aliases and Envoy classes of one wrapped model (see the module docstring).
 
@@ -231,7 +242,7 @@ def _match(module, parts: tuple, where: str):
                 f"({', '.join(n for n, _ in hits)}); an alias names one module: spell the name"
             )
     else:
-        child = module._modules.get(head)
+        child = child_module(module, head)
         hits = [(head, child)] if child is not None else []
     for name, child in hits:
         for tail in _match(child, rest, f"{where}.{name}" if where else name):

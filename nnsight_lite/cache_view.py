@@ -16,6 +16,7 @@ import itertools
 import weakref
 from collections.abc import Mapping
 
+from .aliases import child_module
 from .envoy import Envoy
 from .errors import CacheKeyError
 from .mediator import _MISSING
@@ -54,7 +55,7 @@ def _native(root: "Envoy | None", key: str, base: str = "") -> "str | None":
 
 def _step(env: Envoy, name: str) -> "Envoy | None":
     """The Envoy of ``env``'s child module ``name`` or of its ``rename=`` alias ``name``."""
-    if env._module._modules.get(name) is not None:
+    if child_module(env._module, name) is not None:
         return env._sub(name)
     tree = env._tree
     rel = tree.alias(env._mpath, name) if tree.aliases else None

@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from .aliases import Tree, tree_repr
+from .aliases import Tree, child_module, tree_repr
 from .envoy_containers import Containers
 from .envoy_names import ModuleFirst
 from .errors import ModulePathError, OutOfOrderError
@@ -242,7 +242,10 @@ class Envoy(ModuleFirst, Containers):
             module = d["_module"]
         except KeyError:  # (an Envoy being unpickled has no state yet)
             raise AttributeError(name) from None
-        sub = module._modules.get(name)
+        try:
+            sub = module._modules.get(name)
+        except AttributeError:  # a TorchScript module's children
+            sub = child_module(module, name)
         if sub is not None:
             env = d["_subs"].get(name)
             if env is None or env._module is not sub:
@@ -284,7 +287,7 @@ class Envoy(ModuleFirst, Containers):
         Envoy's own properties, ``output`` say, which attribute access would read instead).
         ``envoy[0]``, ``getattr(envoy, "0")`` and aliases all give this one Envoy."""
         d = self.__dict__
-        sub = d["_module"]._modules.get(name)
+        sub = child_module(d["_module"], name)
         subs = d["_subs"]
         env = subs.get(name)
         if env is not None and env._module is sub:
@@ -300,7 +303,7 @@ class Envoy(ModuleFirst, Containers):
         """``getattr(self, name)``, except that a child module named like one of the Envoy's
         own attributes (``next``, ``skip``, ``output``) gives the child's Envoy: what a path
         of module names (a cache key, a pickled Envoy's path) means by ``name``."""
-        if self.__dict__["_module"]._modules.get(name) is not None:
+        if child_module(self.__dict__["_module"], name) is not None:
             return self._sub(name)
         return getattr(self, name)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .aliases import child_module
 from .errors import NotAContainerError
 from .workers import user_location
 
@@ -67,12 +68,14 @@ class Containers:
         if hit is not None:  # still the same module at that position?
             env, name, length = hit
             children = self._module._modules
-            if len(children) == length and children.get(name) is env._module:
+            if len(children) == length and child_module(self._module, name) is env._module:
                 return env
         if isinstance(key, str) and self._tree.alias(self._mpath, key) is not None:
             return getattr(self, key)  # an alias of a ModuleList entry: h["second_layer"]
         try:
             sub = self._module[key]
+            if isinstance(self._module, torch.jit.ScriptModule) and isinstance(sub, torch.nn.Module):
+                sub = _script_item(self._module, key)
         except (IndexError, KeyError, TypeError) as exc:
             if "_orig_mod" in self._module._modules:  # torch.compile's OptimizedModule hands
                 return self._sub("_orig_mod")[key]  # attributes and len() on, not indexing
@@ -141,6 +144,17 @@ class Containers:
                                          f"{self._path}[{key!r}] at {user_location()}: ")
         return type(exc)(f"{self._path}[{key!r}]: {exc} ({type(module).__name__} of length "
                          f"{length})")
+
+
+def _script_item(module, key):
+    """The child at ``key`` of a scripted ``Sequential``/``ModuleList`` (an int key: a position)
+    or ``ModuleDict`` (a name), where its own indexing gives the Python module it was scripted
+    from, which the scripted code never calls."""
+    if isinstance(key, slice):  # (the caller indexes each position in turn)
+        return module
+    if isinstance(key, int):
+        return list(module._modules.items())[key][1]
+    return module._modules[key]
 
 
 __all__ = ["Containers"]

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import itertools
 
+from .aliases import child_module
+
 _NOT_OWN = object()  # ModuleFirst._own: the module has no such child or attribute
 
 
@@ -130,7 +132,7 @@ class ModuleFirst:
         it is neither a child nor an attribute): Envoy names that a module may also have
         (see ``_module_first``)."""
         module = self.__dict__["_module"]
-        if module._modules.get(name) is not None:
+        if child_module(module, name) is not None:
             return self._sub(name)
         try:
             return getattr(module, name)

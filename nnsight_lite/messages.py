@@ -104,6 +104,14 @@ def never_ran(path: str, envoy, kind: str) -> str:
             "that runs"
         )
     module = envoy._module if envoy is not None else None
+    script = _scripted_above(envoy)
+    if script is not None:
+        return (
+            f"{path} runs inside {script._path}, a TorchScript module (torch.jit.script or "
+            f"torch.jit.trace): its compiled code calls {path} without Python, so {path} has no "
+            f".{kind} to read. Read {script._path}.output or .input instead, or keep the "
+            f"module you read plain PyTorch (script or trace its submodules only)"
+        )
     if module is not None and type(module).forward is torch.nn.Module.forward:
         kids = list(module._modules)
         child = (f"{path}[{kids[0]!r}]" if isinstance(module, torch.nn.ModuleDict) else
@@ -119,6 +127,21 @@ def never_ran(path: str, envoy, kind: str) -> str:
         "defined but unused, or called on another path). Check print(model) for the module "
         "that computes the value you want"
     )
+
+
+def _scripted_above(envoy):
+    """The outermost Envoy above ``envoy`` whose module is a TorchScript module (its children
+    run inside its compiled code, never as Python calls), or None."""
+    found = None
+    ref = envoy.__dict__.get("_parent") if envoy is not None else None
+    while ref is not None:
+        env = ref()
+        if env is None:
+            break
+        if isinstance(env.__dict__.get("_module"), torch.jit.ScriptModule):
+            found = env
+        ref = env.__dict__.get("_parent")
+    return found
 
 
 def after_skip_error(self: "Mediator", envoy) -> OutOfOrderError:

@@ -668,3 +668,79 @@ def test_a_child_named_root_does_not_hide_the_model_from_the_runtime():
     with model.trace(x):
         h = model[0].last.output.save()
     torch.testing.assert_close(h, net(x))
+
+
+class _ScriptedInner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.l(x))
+
+
+class _WithTorchScript(torch.nn.Module):
+    """A plain model holding a scripted module, a scripted Sequential and a traced module."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.inner = torch.jit.script(_ScriptedInner())
+        self.seq = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()))
+        self.traced = torch.jit.trace(_ScriptedInner(), torch.randn(2, 8))
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(self.traced(self.seq(self.inner(self.inp(x)))))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (torch 2.13 deprecates torch.jit)
+class TestTorchScriptSubmodules:
+    """Submodules made with ``torch.jit.script``/``torch.jit.trace``. Their ``_modules`` is
+    TorchScript's ``OrderedModuleDict``, which has no ``get``: ``model.inner.l`` raised
+    "AttributeError: 'OrderedModuleDict' object has no attribute 'get'", a scripted Sequential's
+    ``model.seq[0]`` gave an Envoy of the Python Linear it was scripted from (its reads said the
+    module had been replaced), and a read of a module inside one crashed building its message.
+    The scripted modules' own values read and edit as plain torch computes them."""
+
+    def test_the_envoys_are_the_scripted_children(self):
+        torch.manual_seed(0)
+        net = _WithTorchScript()
+        model = NNsight(net)
+        assert model.inner.l._module is net.inner.l
+        assert model.seq[0]._module is net.seq._modules["0"]
+        assert model.seq[-1]._module is net.seq._modules["1"]
+        assert [e._module for e in model.seq] == list(net.seq._modules._python_modules.values())
+        assert model.traced.l._module is net.traced.l
+        assert model.get("inner.l")._module is net.inner.l
+
+    def test_the_scripted_modules_values_read_and_edit_as_plain_torch(self):
+        torch.manual_seed(0)
+        net = _WithTorchScript()
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+        h = net.inp(x)
+        a = net.inner(h)
+        b = net.seq(a)
+        with model.trace(x):
+            got_in = model.inner.input.save()
+            got_a = model.inner.output.save()
+            got_b = model.seq.output.save()
+            model.traced.output = model.traced.output * 0
+            out = model.output.save()
+        torch.testing.assert_close(got_in, h)
+        torch.testing.assert_close(got_a, a)
+        torch.testing.assert_close(got_b, b)
+        torch.testing.assert_close(out, net.out(torch.zeros(2, 8)))
+        torch.testing.assert_close(net(x), net.out(net.traced(b)))  # the model as it was
+
+    @pytest.mark.parametrize("path", ["inner.l", "seq.0", "traced.l"])
+    def test_a_module_inside_one_is_missed_with_the_reason(self, path):
+        torch.manual_seed(0)
+        net = _WithTorchScript()
+        model = NNsight(net)
+        outer = path.split(".")[0]
+        with pytest.raises(MissedModuleError, match=rf"runs inside model\.{outer}, a TorchScript "
+                                                    rf"module .* Read model\.{outer}\.output"):
+            with model.trace(torch.randn(2, 4)):
+                model.get(path).output.save()
