@@ -220,6 +220,70 @@ def _entry(slot: Slot, live: _Live):
     return slot.enter  # (made once, kept by the plan: install compares it by identity)
 
 
+#: modules whose forward has a fused fast path that calls none of their submodules (torch's
+#: TransformerEncoderLayer in eval mode without grad): torch takes it only where no module of
+#: theirs has a forward hook or pre-hook, so that hooked submodules are called
+_FAST_PATH_LAYERS = (torch.nn.TransformerEncoderLayer,)
+_mha = getattr(torch.backends, "mha", None)  # (its flag: ``_is_fastpath_enabled``)
+
+
+def has_fast_path(module) -> bool:
+    """Whether ``module``'s forward may take torch's fused fast path (see _fast_path_off)."""
+    return _mha is not None and hasattr(_mha, "_is_fastpath_enabled") and \
+        isinstance(module, _FAST_PATH_LAYERS)
+
+
+class _LayerCheckOff:
+    """What torch's fast-path flag holds during one guarded layer call (_fast_path_off): false
+    to its first truth test on the trace's forward greenlet, the layer's own check at the top
+    of its forward, and true to every later one (the MultiheadAttention inside the layer, whose
+    own fast path hooks do not turn off either) and to bodies and other threads."""
+
+    __slots__ = ("runner", "spent")
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.spent = False
+
+    def __bool__(self) -> bool:
+        if self.spent or _getcurrent() is not self.runner:
+            return True
+        self.spent = True
+        return False
+
+
+def _fast_path_off(call, slot: Slot, live: _Live):
+    """``call`` (the counting wrapper or call entry of a ``TransformerEncoderLayer``) made to
+    skip torch's fused fast path where a body, or a cache, waits for a value of the layer or of
+    a module inside it (or reads their ``.source``), as a forward hook or pre-hook on that module
+    makes torch skip it: the layer then calls its submodules, and every value is the one the
+    hooks would see. Other calls take the fast path, as in the plain forward."""
+    module = slot.module
+
+    def guarded(*args, **kwargs):
+        inter = live.inter
+        if (inter is None or _getcurrent() is not inter.runner
+                or _mha._is_fastpath_enabled is not True):  # (turned off, or a guard's already)
+            return call(*args, **kwargs)
+        slots = inter.slots
+        sources = inter.sources.installed if inter.sources is not None else ()
+        for m in module.modules():
+            s = slots.get(id(m))
+            if s is not None and (s.wait_in or s.wait_out or s in sources):
+                break
+        else:
+            return call(*args, **kwargs)
+        flag = _mha._is_fastpath_enabled = _LayerCheckOff(inter.runner)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            if _mha._is_fastpath_enabled is flag:  # (not a setting a body made meanwhile)
+                _mha._is_fastpath_enabled = True
+
+    guarded.__wrapped__ = slot  # (a traced forward, as the call it guards)
+    return guarded
+
+
 _module_getstate = torch.nn.Module.__getstate__
 
 

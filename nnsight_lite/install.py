@@ -27,8 +27,10 @@ from .calls import (
     _UNSWAPPED,
     Slot,
     _entry,
+    _fast_path_off,
     _Live,
     _wrapper,
+    has_fast_path,
     traced_slot,
 )
 from .compiled import is_compiled
@@ -291,6 +293,9 @@ def _walk(inter: "Interleaver", plan: "_Plan") -> list:
         if slot is None or slot.module is not module:
             slot = Slot(module, parent, attr, plan.live)
             made = _wrapper(slot, plan.live), _entry(slot, plan.live)
+            if has_fast_path(module):
+                made = tuple(None if c is None else _fast_path_off(c, slot, plan.live)
+                             for c in made)
         else:
             slot.parent = parent
             slot.attr = attr

@@ -718,3 +718,64 @@ def test_an_open_loop_whose_steps_read_nothing_raises_instead_of_spinning(seq, m
     with model.trace(x):
         out = model.output.save()
     torch.testing.assert_close(out, seq(x))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+class TestTransformerFastPath:
+    """torch's ``TransformerEncoderLayer`` in eval mode without grad runs a fused fast path that
+    calls none of its submodules, unless a forward hook or pre-hook is on the layer or a module
+    inside it. A trace uses no hooks, so a body reading ``layers[0].self_attn`` (or ``linear1``,
+    ``norm2``) under ``torch.no_grad()`` got ``MissedModuleError`` ("the model's forward does
+    not call it") where a hook sees the call (nnsight 0.8.1 fails too). A layer in which a body
+    waits for a value skips its fast path as a hooked one does, the MultiheadAttention inside
+    keeping its own, so every value equals the hooks'; a layer nobody reads inside runs fast."""
+
+    def _encoder(self):
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+        return torch.nn.TransformerEncoder(layer, 2).eval()
+
+    @pytest.mark.parametrize("grad_off", [torch.no_grad, torch.inference_mode])
+    @pytest.mark.parametrize("masked", [False, True])
+    @pytest.mark.parametrize("names", [["layers.0.self_attn", "layers.1.linear2"],
+                                       ["layers.1.norm2"], ["layers.0"]])
+    def test_reads_inside_a_layer_equal_the_hooks(self, grad_off, masked, names):
+        enc = self._encoder()
+        model = NNsight(enc)
+        x = torch.randn(2, 5, 16)
+        kwargs = {}
+        if masked:
+            mask = torch.zeros(2, 5, dtype=torch.bool)
+            mask[1, 3:] = True
+            kwargs["src_key_padding_mask"] = mask
+        with grad_off():
+            seen, ref = record(enc, names, x, **kwargs)
+            with model.trace(x, **kwargs):
+                got = nnsight_lite.save([model.get(n).output for n in names])
+                out = model.output.save()
+        for name, value in zip(names, got):
+            want = seen[(name, 0)]
+            if isinstance(value, tuple):
+                value, want = value[0], want[0]
+            if value.is_nested:
+                value, want = value.to_padded_tensor(0.0), want.to_padded_tensor(0.0)
+            assert torch.equal(value, want), name
+        assert torch.equal(out, ref)
+        assert torch.backends.mha.get_fastpath_enabled() is True
+
+    def test_a_cache_and_a_later_layer_equal_the_hooks(self):
+        enc = self._encoder()
+        model = NNsight(enc)
+        x = torch.randn(2, 5, 16)
+        with torch.no_grad():
+            seen, ref = record(enc, ["layers.0.linear1", "layers.1.self_attn"], x)
+            with model.trace(x) as tracer:
+                cache = tracer.cache()
+            with model.trace(x):  # layer 0 runs fast: nothing waits inside it
+                attn = model.layers[1].self_attn.output[0].save()
+                out = model.output.save()
+            plain = enc(x)
+        assert torch.equal(cache["model.layers.0.linear1"].output, seen[("layers.0.linear1", 0)])
+        assert torch.equal(cache["model"].output, ref)
+        assert torch.equal(attn, seen[("layers.1.self_attn", 0)][0])
+        assert torch.equal(out, plain)
