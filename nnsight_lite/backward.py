@@ -176,6 +176,13 @@ def set_grad(t, value) -> None:
         return
     rows = _rows_of(t)
     grad = ctx.request(t)
+    if grad is None and value is not None:
+        raise GradientError(
+            f".grad of a {_describe(t)} was set at {user_location()}, but backprop reached it "
+            "with no gradient (None: the operation that uses it gives it none, as a quantized "
+            "or otherwise non-differentiable op does), and autograd cannot replace a None "
+            "gradient with a tensor. Nothing flows on from it to edit."
+        )
     if rows is None:
         if value.__class__ is _Tensor and value.shape != grad.shape:  # (autograd refuses it)
             raise GradientError(
@@ -315,7 +322,9 @@ class Backward(BackwardErrors, BodyContext):
             )
         if self._pending is not t:
             return None
-        value = grad.clone()
+        # (None where the op using t gives it no gradient, a quantized Linear say: torch hands
+        # hooks None and leaves a retained .grad None, and so does the body's t.grad)
+        value = None if grad is None else grad.clone()
         self.cur = t
         self.cur_value = value
         self._seq = self._pending_seq  # t's, found when it was requested
@@ -334,7 +343,7 @@ class Backward(BackwardErrors, BodyContext):
         rows = _rows_of(t)
         if rows is not None:  # an invoke's view of a batched activation: its rows of the grad
             full = self.request(rows[0])
-            return full.narrow(0, rows[1], rows[2])
+            return None if full is None else full.narrow(0, rows[1], rows[2])
         if t is self.cur:
             return self.cur_value
         if not isinstance(t, torch.Tensor) or not t.requires_grad or self._finished:

@@ -265,7 +265,7 @@ def _hook_inline(ctx, t, grad):
     if ctx._pending is not t:
         return None
     ctx._pending = None
-    value = grad.clone()
+    value = None if grad is None else grad.clone()  # (None: an op that gives t no gradient)
     ctx.cur = t
     ctx.cur_value = value
     ctx._seq = _seq_of(t)

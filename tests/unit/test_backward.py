@@ -620,3 +620,107 @@ class TestFreedGraphAcrossInvokes:
                 with model.output.sum().backward(gradient=torch.zeros(3, 3)):
                     pass
         assert not isinstance(err.value, GradientError)
+
+
+class _NoInputGrad(torch.autograd.Function):
+    """``x * w`` whose backward gives ``x`` no gradient (None), as a quantized Linear's does."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return None, (g * x).sum(0)
+
+
+class _Gate(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        return _NoInputGrad.apply(x, self.w)
+
+
+def _gated():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), _Gate(),
+                               torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+class TestNoneGradient:
+    """Backprop can reach an activation with no gradient (None): the op that uses it gives it
+    none (a dynamically quantized Linear, a custom Function returning None). torch hands its
+    hooks None and leaves a retained ``.grad`` None; the body's ``h.grad`` raised
+    "AttributeError: 'NoneType' object has no attribute 'clone'" from inside the backward (with
+    or without source), and setting it "'NoneType' object has no attribute 'shape'"."""
+
+    def _reference(self, net, x):
+        h1 = net[1](net[0](x))
+        h1.retain_grad()
+        h3 = net[3](net[2](h1))
+        h3.retain_grad()
+        net[4](h3).sum().backward()
+        return h1.grad, h3.grad, net[2].w.grad.clone()
+
+    def test_the_grad_is_none_as_torch_leaves_it(self):
+        net = _gated()
+        x = torch.randn(2, 4)
+        g1_ref, g3_ref, gw_ref = self._reference(net, x)
+        assert g1_ref is None
+        net.zero_grad()
+        model = NNsight(net)
+        with model.trace(x):
+            a = model[1].output
+            b = model[3].output
+            loss = model.output.sum()
+            with loss.backward():
+                g3 = b.grad.save()
+                g1 = nnsight_lite.save(a.grad)
+        assert g1 is None
+        assert torch.equal(g3, g3_ref)
+        assert torch.equal(net[2].w.grad, gw_ref)
+
+    def test_each_invokes_grad_is_none(self):
+        net = _gated()
+        x = torch.randn(2, 4)
+        _, g3_ref, _ = self._reference(net, x)
+        model = NNsight(net)
+        with model.trace() as tracer:
+            with tracer.invoke(x[:1]):
+                a0 = model[1].output
+                b0 = model[3].output
+            with tracer.invoke(x[1:]):
+                a1 = model[1].output
+                b1 = model[3].output
+                loss = model.output.sum()  # (this invoke's rows: row 1's gradients are the
+                with loss.backward():  # whole batch's)
+                    g3 = b1.grad.save()
+                    grads = nnsight_lite.save([a1.grad, a0.grad])
+        assert grads == [None, None]
+        assert torch.equal(g3, g3_ref[1:])
+
+    def test_setting_it_says_there_is_nothing_to_replace(self):
+        net = _gated()
+        model = NNsight(net)
+        with pytest.raises(GradientError, match="reached it with no gradient"):
+            with model.trace(torch.randn(2, 4)):
+                a = model[1].output
+                loss = model.output.sum()
+                with loss.backward():
+                    a.grad = torch.ones(2, 8)
+
+    def test_without_source_too(self):
+        net = _gated()
+        x = torch.randn(2, 4)
+        _, g3_ref, _ = self._reference(net, x)
+        ns = {"model": NNsight(net), "x": x}
+        exec(compile("with model.trace(x):\n    a = model[1].output\n    b = model[3].output\n"
+                     "    loss = model.output.sum()\n"
+                     "with loss.backward():\n    g3 = b.grad\n    g1 = a.grad\n",
+                     "<string>", "exec"), ns)
+        assert ns["g1"] is None
+        assert torch.equal(ns["g3"], g3_ref)
