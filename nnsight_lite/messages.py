@@ -114,6 +114,16 @@ def never_ran(path: str, envoy, kind: str) -> str:
         )
     if module is not None and type(module).forward is torch.nn.Module.forward:
         kids = list(module._modules)
+        if not kids and not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            parent = envoy.__dict__.get("_parent")
+            parent = parent() if parent is not None else None
+            above = parent._path if parent is not None else "the model"
+            return (
+                f"{path} is a plain {type(module).__name__} with no forward and no modules of "
+                f"its own: it only holds parameters or buffers, which the code of {above} uses "
+                "directly (as a torch.export'ed program's module() does), so it is never called "
+                f"and has no .{kind}. Read the operation that uses them in {above}.source"
+            )
         child = (f"{path}[{kids[0]!r}]" if isinstance(module, torch.nn.ModuleDict) else
                  f"{path}[-1]" if isinstance(module, torch.nn.ModuleList) else
                  f"{path}.{kids[0]}") if kids else None

@@ -129,6 +129,34 @@ class TestOrderErrors:
             with model.trace(x8):
                 model.heads.input
 
+    def test_a_module_that_only_holds_parameters(self):
+        """A plain ``torch.nn.Module`` that only holds parameters its parent's code uses directly
+        (what a torch.export'ed program's ``module()`` keeps for each submodule): its ``.output``
+        said it was "a container that is never called itself ... Read one of the modules it
+        holds instead", though it holds none. It says what it is and where to look."""
+
+        class UsesWeights(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inp = torch.nn.Module()
+                self.inp.weight = torch.nn.Parameter(torch.randn(8, 4))
+
+            def forward(self, x):
+                return torch.nn.functional.linear(x, self.inp.weight)
+
+        torch.manual_seed(0)
+        net = UsesWeights()
+        x = torch.randn(2, 4)
+        model = NNsight(net)
+        with model.trace(x):
+            out = model.output.save()
+        torch.testing.assert_close(out, net(x))
+        with pytest.raises(MissedModuleError, match=r"model\.inp is a plain Module with no "
+                           r"forward and no modules of its own: it only holds parameters.*Read "
+                           r"the operation that uses them in model\.source"):
+            with model.trace(x):
+                model.inp.output
+
     def test_call_index_past_last_call(self, net, x8):
         model = NNsight(net)
         with pytest.raises(MissedModuleError, match=r"ran only 2 time\(s\).*call 2"):
