@@ -55,8 +55,13 @@ def merge(full: Any, part: Any, start: int, size: int, total: int) -> Any:
         if not _is_batch_tensor(full, total):
             return part
         if not isinstance(part, torch.Tensor):
-            part = torch.as_tensor(part, dtype=full.dtype, device=full.device)
-        part = part.to(dtype=full.dtype, device=full.device).expand(size, *full.shape[1:])
+            part = torch.as_tensor(part, dtype=torch.float32 if full.is_quantized else full.dtype,
+                                   device=full.device)
+        if full.is_quantized:  # (torch.cat requantizes every piece to the first one's scale)
+            part = _requantized(part.to(device=full.device), full)
+        else:
+            part = part.to(dtype=full.dtype, device=full.device)
+        part = part.expand(size, *full.shape[1:])
         pieces = [full[:start], part, full[start + size:]]
         return torch.cat([p for p in pieces if p.shape[0] > 0], 0)
     if isinstance(full, (tuple, list)) and isinstance(part, (tuple, list)) and len(full) == len(part):
@@ -72,6 +77,18 @@ def merge(full: Any, part: Any, start: int, size: int, total: int) -> Any:
             f.name: merge(getattr(full, f.name), getattr(part, f.name), start, size, total)
             for f in dataclasses.fields(full) if f.init})
     return part
+
+
+def _requantized(part: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``part`` quantized as ``full`` is (its scale and zero point), so the other invokes' rows of
+    the merged tensor keep theirs exactly; a quantization other than per tensor is left as it is."""
+    if full.qscheme() not in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        return part  # (torch.cat says what it cannot join)
+    if part.is_quantized and part.qscheme() == full.qscheme() and \
+            part.q_scale() == full.q_scale() and part.q_zero_point() == full.q_zero_point():
+        return part
+    value = part.dequantize() if part.is_quantized else part.float()
+    return torch.quantize_per_tensor(value, full.q_scale(), full.q_zero_point(), full.dtype)
 
 
 def entries(view: Any, depth: int = 3):

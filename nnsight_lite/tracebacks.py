@@ -171,6 +171,10 @@ def _advice(target: str, was, now) -> str:
     dtype or device (``.to(...)`` with what the model had there)."""
     if isinstance(was, torch.Tensor) and isinstance(now, torch.Tensor) \
             and was.shape == now.shape:
+        if was.is_quantized and was.dtype is not now.dtype and was.qscheme() in (
+                torch.per_tensor_affine, torch.per_tensor_symmetric):  # (.to() cannot quantize)
+            return (f"Quantize it as the model's was: `torch.quantize_per_tensor(value, "
+                    f"{was.q_scale()}, {was.q_zero_point()}, {was.dtype})`.")
         to = [repr(str(was.device))] if was.device != now.device else []
         if was.dtype is not now.dtype:
             to.append(str(was.dtype))

@@ -907,3 +907,87 @@ def test_the_stack_size_is_read_from_the_thread_and_left_as_set(monkeypatch, lib
     finally:
         threading.stack_size(old)
     assert seen["size"] == 384 * 1024
+
+
+def _quantized_net():
+    """A statically quantized Linear-ReLU-Linear (torch.ao.quantization's prepare/convert),
+    which passes quint8 tensors with one scale for the whole batch."""
+    quant = pytest.importorskip("torch.ao.quantization")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = quant.QuantStub()
+            self.a = torch.nn.Linear(4, 8)
+            self.b = torch.nn.Linear(8, 3)
+            self.dq = quant.DeQuantStub()
+
+        def forward(self, x):
+            return self.dq(self.b(torch.relu(self.a(self.q(x)))))
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    net.qconfig = quant.get_default_qconfig("x86")
+    prepared = quant.prepare(net)
+    prepared(torch.randn(16, 4))
+    return quant.convert(prepared)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("quantized_value", [True, False])
+def test_a_replacement_in_a_quantized_batch_leaves_the_other_invokes_rows_exact(first,
+                                                                                quantized_value):
+    """An invoke replacing a quantized output with a quantized tensor of another scale, as the
+    first invoke, made torch.cat requantize every row of the batch to the replacement's scale,
+    so the other invoke's result changed; replacing it with a float tensor raised torch's
+    "empty_strided not supported on quantized tensors". The rows written are quantized as the
+    batch's tensor is (as a replacement takes the batch tensor's dtype), and the other invoke's
+    rows are left exact."""
+    qnet = _quantized_net()
+    x = torch.randn(4, 4)
+    seen, ref = record(qnet, ["a"], x)
+    h = seen[("a", 0)]
+    zeros = torch.zeros(2, 8)
+    value = torch.quantize_per_tensor(zeros, 0.1, 0, torch.quint8) if quantized_value else zeros
+    edited = qnet.dq(qnet.b(torch.relu(
+        torch.quantize_per_tensor(zeros, h.q_scale(), h.q_zero_point(), torch.quint8))))
+    model = NNsight(qnet)
+    with model.trace() as tracer:
+        with tracer.invoke(x[:2]):
+            if first:
+                model.a.output = value
+            y0 = model.output.save()
+        with tracer.invoke(x[2:]):
+            if not first:
+                model.a.output = value
+            y1 = model.output.save()
+    kept, changed = (y1, y0) if first else (y0, y1)
+    assert torch.equal(kept, ref[2:] if first else ref[:2])
+    assert torch.equal(changed, edited)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_a_float_replacement_of_a_quantized_output_is_told_how_to_quantize_it():
+    """One invoke replacing a quint8 output with a float tensor: the next quantized module
+    fails, and the note said to write `.to(torch.quint8)`, which torch cannot do (it raises
+    "empty_strided not supported on quantized tensors"). It gives the quantize call with the
+    model's scale and zero point, which runs as the plain model would on that value."""
+    qnet = _quantized_net()
+    x = torch.randn(4, 4)
+    seen, _ = record(qnet, ["a"], x)
+    h = seen[("a", 0)]
+    model = NNsight(qnet)
+    with pytest.raises(NotImplementedError) as info:
+        with model.trace(x):
+            model.a.output = torch.zeros(4, 8)
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    advice = (f"torch.quantize_per_tensor(value, {h.q_scale()}, {h.q_zero_point()}, "
+              "torch.quint8)")
+    assert advice in note and ".to(" not in note
+    value = torch.quantize_per_tensor(torch.zeros(4, 8), h.q_scale(), h.q_zero_point(),
+                                      torch.quint8)
+    with model.trace(x):
+        model.a.output = value
+        out = model.output.save()
+    assert torch.equal(out, qnet.dq(qnet.b(torch.relu(value))))
