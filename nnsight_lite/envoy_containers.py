@@ -68,8 +68,13 @@ class Containers:
         if hit is not None:  # still the same module at that position?
             env, name, length = hit
             children = self._module._modules
-            if len(children) == length and child_module(self._module, name) is env._module:
-                return env
+            if len(children) == length:
+                try:
+                    now = children.get(name)
+                except AttributeError:  # a TorchScript module's children (no get)
+                    now = child_module(self._module, name)
+                if now is env._module:
+                    return env
         if isinstance(key, str) and self._tree.alias(self._mpath, key) is not None:
             return getattr(self, key)  # an alias of a ModuleList entry: h["second_layer"]
         try:
