@@ -134,7 +134,13 @@ def _candidates(frame: FrameType, filename: str):
     remembered = _body_sources.get(frame.f_code)
     if remembered is not None:
         yield "body", remembered, None
+    program = _dash_c_program() if filename == "<string>" else None
     lines = linecache.getlines(filename, frame.f_globals)
+    if lines and program is not None and _same_text(lines, program):
+        # Python 3.13+ registers the -c program there itself; exec'd strings are named
+        # '<string>' too, so it is still a guess: tried below as the -c program (if it is
+        # not the running code, the code has no source and may run in place: NoSourceError)
+        lines = []
     if lines:
         yield "linecache", lines, None
     if lines and not (filename.startswith("<") and filename.endswith(">")):
@@ -144,10 +150,8 @@ def _candidates(frame: FrameType, filename: str):
             yield "file", fresh, None
         for text in reloaded_defs(frame.f_code, fresh or lines):
             yield "autoreload", text, None
-    if filename == "<string>":
-        program = _dash_c_program()
-        if program is not None:
-            yield "-c", program.splitlines(True), None
+    if program is not None:
+        yield "-c", program.splitlines(True), None
     for cell, proof in _magic_cells(frame):
         yield "magic", cell.splitlines(True), proof
 
@@ -174,6 +178,17 @@ def _dash_c_program():
             if letter == "m":
                 return None
     return None
+
+
+def _same_text(lines: list, text: str) -> bool:
+    """Whether ``lines`` hold ``text``, up to line endings and trailing blank lines (Python
+    3.13 registers a -c program in linecache with a newline added)."""
+    a, b = "".join(lines).splitlines(), text.splitlines()
+    while a and not a[-1]:
+        a.pop()
+    while b and not b[-1]:
+        b.pop()
+    return a == b
 
 
 def _magic_cells(frame: FrameType):

@@ -95,6 +95,25 @@ class TestDashC:
         assert "NoSourceError" in proc.stderr  # a SourceUnavailableError
         assert "no source for '<string>'" in proc.stderr and "`python -c` program was tried" in proc.stderr
 
+    def test_exec_string_single_input_trace_in_a_dash_c_program_runs_in_place(self):
+        """A plain exec'd string in a -c program has no source: a single-input trace in it runs
+        in place and saves what the plain forward gives. (Python 3.13 registers the -c program
+        in linecache under '<string>'; it was taken for found source that is other code, and
+        the trace was refused with a SourceUnavailableError.)"""
+        program = textwrap.dedent("""
+            import torch
+            from nnsight_lite import NNsight
+            lin = torch.nn.Linear(2, 2)
+            model = NNsight(lin)
+            x = torch.randn(1, 2)
+            exec("with model.trace(x):\\n    h = model.output.save()\\n")
+            assert torch.equal(h, lin(x))
+            print("IN PLACE OK")
+        """)
+        proc = run_python("-c", program)
+        assert proc.returncode == 0, proc.stderr
+        assert "IN PLACE OK" in proc.stdout
+
 
 def _write_module(path, body_line: str, pad: int = 0):
     path.write_text("import torch\n" + "\n" * pad + textwrap.dedent(f"""
