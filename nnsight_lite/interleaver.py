@@ -27,10 +27,11 @@ from bisect import insort
 
 import torch
 
-from . import batching
+from . import batching, checkpointing
 from .capture import IterationEnd
 from .compiled import eager
 from .calls import Slot, traced_slot
+from .checkpointing import _top_hooks
 from .errors import OutsideTraceError
 from .hooked import ModuleCall, run_for_body
 from .install import _HELD_MAX, put_on, take_off
@@ -67,6 +68,10 @@ class Interleaver:
     no_grad_by: "str | None" = None
     #: whether the model holds modules torch.compile wrapped (their code runs eagerly: install)
     compiled = False
+    #: grad mode when the forward began (1/0): edits in checkpointed regions matter only then
+    grad_on = 0
+    #: slot -> how a reentrant checkpoint wraps its calls (None: not), found once per trace
+    no_grad_regions: "dict | None" = None
 
     def __init__(self, root: torch.nn.Module, total: int = 1, home: "dict | None" = None):
         self.root = root
@@ -176,6 +181,7 @@ class Interleaver:
     def run(self, forward):
         """Install wrappers, start the bodies, run ``forward()``, finish the bodies; clean up."""
         saved = tls_state()
+        self.grad_on = saved & 1 if self.no_grad_by is None else 0
         self.runner = _getcurrent()
         try:
             self._install()
@@ -363,12 +369,20 @@ class Interleaver:
         # the forward's grad/autocast state (every resume puts it back), for the bodies served
         # here; none when only caches wait (they sort last and switch to no body)
         state = tls_state() if waiting[call][0].switches else None
+        # inside activation checkpointing a body's edit is lost to the backward: warn (rare)
+        watch = (state is not None and self.grad_on
+                 and (not state & 1 or _top_hooks(False) is not None)
+                 and checkpointing.region(self, slot, state))
+        if watch:
+            served, before = list(waiting[call]), checkpointing.versions(out)
         try:
             while call in waiting:  # bodies woken while serving may ask for this same value
                 for med in waiting.pop(call):
                     out = med.serve(key, out, state)
         finally:
             self.serving = None
+        if watch and checkpointing.versions(out) != before:
+            checkpointing.warn_edited(served, slot, "output", watch)
         return out
 
     def _serve_input(self, slot: Slot, call: int, args, kwargs):
@@ -380,6 +394,11 @@ class Interleaver:
         partial = []
         waiting = slot.wait_in
         state = tls_state() if waiting[call][0].switches else None  # (as in _serve_output)
+        watch = (state is not None and self.grad_on
+                 and (not state & 1 or _top_hooks(False) is not None)
+                 and checkpointing.region(self, slot, state))
+        if watch:
+            served, before = list(waiting[call]), checkpointing.versions(value)
         try:
             while call in waiting:
                 for med in waiting.pop(call):
@@ -392,6 +411,8 @@ class Interleaver:
                         med.skip_value = _MISSING
         finally:
             self.serving = None
+        if watch and (whole is not _MISSING or partial or checkpointing.versions(value) != before):
+            checkpointing.warn_edited(served, slot, "input", watch)
         args, kwargs = value
         if whole is _MISSING:
             out = slot.orig(*args, **kwargs)
