@@ -112,15 +112,32 @@ def _select(model: Envoy, inter, modules) -> list:
                 f"tracer.cache(modules=...) takes Envoys (model.layer1) or path strings "
                 f"(\"model.layer1\"), got {type(m).__name__}"
             )
-        slot = inter.slots.get(id(module))
-        if slot is None:
+        if id(module) not in inter.slots:
             raise ModulePathError(
                 f"tracer.cache(modules=...): {where} is not a module of the model being traced "
                 f"(at {user_location()})"
             )
-        if slot not in out:
-            out.append(slot)
+        for module in _called(module, where):
+            slot = inter.slots[id(module)]
+            if slot not in out:
+                out.append(slot)
     return out
+
+
+def _called(module: torch.nn.Module, where: str) -> list:
+    """``module``, or where it is a container that is never called itself (a ModuleList,
+    ModuleDict, a plain Module with no forward) the modules it holds, containers opened in
+    turn: ``modules=[model.layers]`` caches every layer, as a researcher means it."""
+    if type(module).forward is not torch.nn.Module.forward:
+        return [module]
+    held = [m for child in module.children() for m in _called(child, where)]
+    if not held:
+        raise ModulePathError(
+            f"tracer.cache(modules=...): {where} is a {type(module).__name__} with no forward "
+            f"and no modules of its own, so it is never called and has nothing to cache (at "
+            f"{user_location()}). Cache the module whose code uses its parameters instead"
+        )
+    return held
 
 
 def _by_path(named: dict, path: str, model: Envoy) -> torch.nn.Module:

@@ -135,6 +135,40 @@ class TestRecords:
         for name in ("inp", "layers.0", "layers.2", "head"):
             torch.testing.assert_close(cache[key(name)].output, seen[(name, 0)])
 
+    def test_a_container_stands_for_the_modules_it_holds(self, net, x8):
+        """A ModuleList is never called itself: modules=[model.layers] (or "layers") caches the
+        layers it holds, as one means it; containers inside containers are opened too."""
+        model = NNsight(net)
+        names = ["layers.0", "layers.1", "layers.2"]
+        seen, _ = record(net, names, x8)
+        for given in (model.layers, "layers", "model.layers"):
+            with model.trace(x8) as tracer:
+                cache = tracer.cache(modules=[given, model.head])
+            assert list(cache.keys()) == [key(n) for n in names] + ["model.head"]
+            for name in names:
+                torch.testing.assert_close(cache[key(name)].output, seen[(name, 0)])
+
+        class Grouped(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.groups = torch.nn.ModuleDict({
+                    "a": torch.nn.ModuleList([torch.nn.Linear(4, 4)]),
+                    "b": torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])})
+
+            def forward(self, x):
+                for group in self.groups.values():
+                    for layer in group:
+                        x = layer(x)
+                return x
+
+        grouped = Grouped()
+        model = NNsight(grouped)
+        x = torch.randn(2, 4)
+        with model.trace(x) as tracer:
+            cache = tracer.cache(modules=[model.groups])
+        assert list(cache.keys()) == ["model.groups.a.0", "model.groups.b.0", "model.groups.b.1"]
+        torch.testing.assert_close(cache["model.groups.b.1"].output, grouped(x))
+
     def test_stop_ends_the_record(self, seq):
         """After tracer.stop() the modules that did not run are not in the cache."""
         model = NNsight(seq)
@@ -426,6 +460,24 @@ class TestErrors:
         with pytest.raises(TypeError, match="takes Envoys"):
             with model.trace(torch.randn(2, 6)) as tracer:
                 tracer.cache(modules=[3])
+
+    def test_a_module_with_no_forward_and_no_modules(self):
+        """A plain Module that only holds parameters is never called: nothing to cache."""
+        class Scaled(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 4)
+                self.gain = torch.nn.Module()
+                self.gain.weight = torch.nn.Parameter(torch.ones(4))
+
+            def forward(self, x):
+                return self.lin(x) * self.gain.weight
+
+        model = NNsight(Scaled())
+        with pytest.raises(ModulePathError, match=r"model.gain is a Module with no forward and "
+                                                  r"no modules of its own"):
+            with model.trace(torch.randn(2, 4)) as tracer:
+                tracer.cache(modules=[model.gain])
 
     def test_nothing_to_record(self, seq):
         model = NNsight(seq)
