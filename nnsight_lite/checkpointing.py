@@ -89,7 +89,7 @@ def warn_edited(meds, slot, kind: str, how: str) -> None:
     checkpointed region (``how``: its ``use_reentrant``)."""
     bodies = [m for m in meds if m.switches]
     who = ", ".join(m.label() for m in bodies) or "a body"
-    where = _location(bodies)
+    where, filename, line = _location(bodies)
     path = f"{slot.label()}.{kind}"
     if how == _REENTRANT:
         effect = ("that region's forward ran under torch.no_grad(), so the edit is not in the "
@@ -99,29 +99,33 @@ def warn_edited(meds, slot, kind: str, how: str) -> None:
         effect = ("the activations recomputed after the edit are the unedited model's, so "
                   "gradients that use them mix the edited and the unedited model")
     text = (
-        f"{who} changed {path} (near {where}), which runs inside activation checkpointing "
+        f"{who} changed {path} (its body {where}), which runs inside activation checkpointing "
         f"(torch.utils.checkpoint, {how}; HF models use it in train mode after "
         "activation_checkpointing_enable(), formerly gradient_checkpointing_enable()). The "
         "forward's values are edited, but a backward pass recomputes the checkpointed modules "
-        f"without the trace's bodies: {effect}. To take gradients of an edited model, turn checkpointing off for this trace "
-        "(model.activation_checkpointing_disable()), or edit a module outside the checkpointed "
-        "blocks; hooks in the forward would be run again by the recompute, bodies are not."
+        f"without the trace's bodies: {effect}. To take gradients of an edited model, turn "
+        "checkpointing off for this trace (model.activation_checkpointing_disable()), or edit a "
+        "module outside the checkpointed blocks; hooks in the forward would be run again by "
+        "the recompute, bodies are not."
     )
-    filename, _, line = where.rpartition(":")
-    warnings.warn_explicit(text, UserWarning, filename or where,
-                           int(line) if line.isdigit() else 0, registry=_WARNED)
+    warnings.warn_explicit(text, UserWarning, filename, line, registry=_WARNED)
 
 
-def _location(bodies) -> str:
-    """The body's line now (the first read after the edit, or the end of its with-block)."""
+def _location(bodies) -> tuple:
+    """(words, file, line): where the body is now (the read after the edit), or where it
+    ended, its with-block's lines."""
     for m in bodies:
         g = m.greenlet
-        frame = getattr(g, "gr_frame", None) if g is not None else None
+        frame = getattr(g, "gr_frame", None) if g is not None and not m.done else None
         if frame is not None:
             where = user_location(frame)
             if where != "<unknown>":
-                return where
+                filename, _, line = where.rpartition(":")
+                return f"is now at {where}, the read after the edit", filename, int(line)
         code = getattr(m.run_fn, "args", (None,))[0]
-        if hasattr(code, "co_filename"):
-            return f"{code.co_filename}:{code.co_firstlineno}"
-    return "<unknown>"
+        if hasattr(code, "co_lines"):
+            lines = [line for _, _, line in code.co_lines() if line]
+            if lines:
+                first, last = min(lines), max(lines)
+                return f"at {code.co_filename}:{first}-{last}", code.co_filename, first
+    return "is not known", "<unknown>", 0

@@ -98,7 +98,36 @@ def test_an_edit_inside_the_region_warns_naming_module_invoke_and_mode(reentrant
     assert "invoke 0 changed model.blk.a.output" in text
     assert f"use_reentrant={reentrant}" in text
     assert "activation_checkpointing_disable()" in text
-    assert caught[0].filename == __file__  # shown at the body's line, not in nnsight_lite
+    assert caught[0].filename == __file__  # shown at the body's lines, not in nnsight_lite
+    assert f"its body is now at {__file__}:" in text  # (at its next read)
+
+
+def test_an_edit_of_an_operation_inside_the_region_warns_with_the_next_read(reentrant):
+    torch.manual_seed(0)
+    model = NNsight(Net(reentrant))
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"changed model\.blk\.source\.torch_tanh_0\.output") as rec:
+        with model.trace(x):
+            op = model.blk.source.torch_tanh_0
+            op.output = op.output * 2
+            out = model.head.output.save()
+    text = str(rec[0].message)
+    with open(__file__) as f:
+        line = next(i for i, t in enumerate(f, 1) if "out = model.head.output.save()" in t)
+    assert f"its body is now at {__file__}:{line}, the read after the edit" in text
+    assert out.shape == (4, 1)
+
+
+def test_a_body_that_ended_is_named_by_its_lines():
+    torch.manual_seed(0)
+    model = NNsight(Net(True))
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match="changed model.blk.b.output") as rec:
+        with model.trace(x):
+            model.blk.b.output = model.blk.b.output + 1
+    with open(__file__) as f:
+        line = next(i for i, t in enumerate(f, 1) if "model.blk.b.output + 1" in t)
+    assert f"its body at {__file__}:{line}-{line}" in str(rec[0].message)
 
 
 def test_an_edit_outside_the_region_does_not_warn_and_is_exact(reentrant):
