@@ -30,7 +30,8 @@ from collections import OrderedDict
 import greenlet
 import torch
 
-from .backward_errors import _FREED, BackwardErrors, _describe, missed_error, no_grad_trace
+from .backward_errors import (_FREED, BackwardErrors, _describe, grad_expr, missed_error,
+                              no_grad_trace)
 from .capture import GRAD_NAME, SET_GRAD_NAME
 from .context import RUNTIME, BodyContext, body_job
 from .batching import merge
@@ -151,10 +152,11 @@ def read_grad(t):
         grad = t.grad
     if grad is not None:
         return grad
+    where = user_location()
     raise GradientError(
-        f".grad of an activation ({_describe(t)}) was read at {user_location()} outside a "
+        f".grad of an activation ({_describe(t)}) was read at {where} outside a "
         "backward context. Activation gradients exist only while backprop runs: write\n"
-        "    with loss.backward():\n        g = hs.grad.save()\n"
+        f"    with loss.backward():\n        g = {grad_expr(where)}.grad.save()\n"
         "(inside the trace or after it, on saved tensors) instead of calling loss.backward() "
         "and reading .grad afterwards."
     )
@@ -165,12 +167,13 @@ def set_grad(t, value) -> None:
     ctx = _current_backward()
     if ctx is None:
         if isinstance(t, torch.Tensor) and not t.is_leaf and not t.retains_grad:
+            where = user_location()
             raise GradientError(
-                f".grad of an activation ({_describe(t)}) was assigned at {user_location()} "
+                f".grad of an activation ({_describe(t)}) was assigned at {where} "
                 "outside a backward context, where it changes no gradient (torch would keep "
                 "it as a plain attribute that backprop never reads). Replace the gradient that "
                 "flows on from it while backprop runs:\n"
-                "    with loss.backward():\n        hs.grad = new_grad\n"
+                f"    with loss.backward():\n        {grad_expr(where)}.grad = new_grad\n"
             )
         t.grad = value
         return

@@ -8,6 +8,7 @@
     missed_error          a ``.grad`` read that backprop never answered, with the likely reason
     no_grad_trace         the sentence naming generate where a loss has no gradient there
     _describe             a value as a message names it: a tensor's shape and dtype
+    grad_expr             what the user's line takes ``.grad`` of, for the example in advice
     _FREED                the words of autograd's message that ``_freed_error`` replaces
 
 Apart from backward.py because none of it runs while gradients flow: it only words what went
@@ -17,12 +18,29 @@ wrong. It needs nothing of backward.py (a Backward's ``_runner`` and ``_args`` a
 
 from __future__ import annotations
 
+import linecache
+import re
+
 import torch
 
 from .errors import GradientError
 from .workers import _getcurrent, user_location
 
 _FREED = "backward through the graph a second time"  # autograd's message, freed graph
+
+
+_GRAD_OF = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*|\[[^\[\]\n]*\])*)\.grad\b")
+
+
+def grad_expr(where: str, default: str = "hs") -> str:
+    """The expression whose ``.grad`` the line at ``where`` ("file:line") takes, as written
+    (``model.layer1.output[0]``), or ``default`` where the line cannot be read."""
+    filename, _, line = where.rpartition(":")
+    if line.isdigit():
+        found = _GRAD_OF.search(linecache.getline(filename, int(line)))
+        if found:
+            return found.group(1)
+    return default
 
 
 def _describe(t) -> str:

@@ -362,11 +362,15 @@ class TestGradErrors:
         model = NNsight(seq)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # (torch's "non-leaf Tensor" warning would raise)
-            with pytest.raises(GradientError, match=r"with loss.backward\(\):"):
+            with pytest.raises(GradientError, match=r"with loss.backward\(\):\n +g = h.grad"):
                 with model.trace(torch.randn(2, 6)):
                     h = model[1].output
                     model.output.sum().backward()
                     g = h.grad
+            # the advice's example takes .grad of what the line took it of, as written
+            with pytest.raises(GradientError, match=r"g = model\[1\]\.output\[:, 0\]\.grad"):
+                with model.trace(torch.randn(2, 6)):
+                    print(model[1].output[:, 0].grad)
             x = torch.randn(2, 6, requires_grad=True)
             with model.trace(x):
                 h = model[1].output
@@ -375,7 +379,8 @@ class TestGradErrors:
                 g = h.grad.save()
                 gx = x.grad.save()
             with pytest.raises(GradientError, match=r"assigned at .*test_backward.py:\d+ "
-                               r"outside a backward context(.|\n)*with loss.backward\(\):"):
+                               r"outside a backward context(.|\n)*with loss.backward\(\):"
+                               r"\n +a\.grad = new_grad"):
                 with model.trace(x):
                     a = model[2].output
                     a.grad = torch.ones(2, 6)
