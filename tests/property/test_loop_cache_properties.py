@@ -281,6 +281,25 @@ def check(cache, rec, order):
         assert_same(gin, win, exact=False)
 
 
+def called(module, paths):
+    """The modules a cache of ``paths`` records: a container that is never called itself (a
+    ModuleList) stands for the modules it holds."""
+    named = dict(module.named_modules())
+    names = {id(m): n for n, m in named.items()}
+    out = []
+
+    def add(m):
+        if type(m).forward is torch.nn.Module.forward:
+            for child in m.children():
+                add(child)
+        elif names[id(m)] not in out:
+            out.append(names[id(m)])
+
+    for p in paths:
+        add(named[p])
+    return out
+
+
 def reached(events, paths=None):
     out = []
     for e in events:
@@ -302,10 +321,12 @@ def test_cache_equals_hooks(spec, seed, n, some, data):
     if some:
         all_paths = [p for p, _ in module.named_modules()]
         paths = data.draw(st.lists(st.sampled_from(all_paths), min_size=1, unique=True))
+    mods = None if paths is None else [key(p) for p in paths]
+    if paths is not None:
+        paths = called(module, paths)
     rec = hook_cache(module, x, program, paths)
     order = reached(events, paths)
     results = []
-    mods = None if paths is None else [key(p) for p in paths]
     with model.trace(x) as tracer:
         cache = tracer.cache(modules=mods, include_inputs=True)
         offsets = {}
