@@ -48,7 +48,7 @@ class _Plan:
     wrapper that keeps it.
     """
 
-    __slots__ = ("slots", "wrappers", "live", "flat", "bulk", "held", "__weakref__")
+    __slots__ = ("slots", "wrappers", "live", "flat", "bulk", "held", "sourced", "__weakref__")
 
     def __init__(self):
         self.slots = {}
@@ -62,6 +62,10 @@ class _Plan:
         # (parent Envoy, child name, child Envoy), weakly: the children bodies read, held as
         # attributes again by the next trace when the tree is unchanged (Interleaver.hold)
         self.held = []
+        # id(module) -> (weakref to it, names of its operations whose .source a body used):
+        # the forwards earlier traces ran instrumented, instrumented from the start of later
+        # ones too (source.keep_instrumented), as nnsight keeps them
+        self.sourced = {}
 
     @property
     def inter(self):

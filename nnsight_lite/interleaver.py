@@ -35,6 +35,7 @@ from .checkpointing import _top_hooks
 from .errors import OutsideTraceError
 from .hooked import ModuleCall, run_for_body
 from .install import _HELD_MAX, put_on, take_off
+from .source import keep_instrumented
 from .mediator import _DONE, _MISSING, INPUT, OUTPUT, Mediator
 from .tracebacks import note_reshaped
 from .waits import BarrierWait, NameWait, StopTrace
@@ -185,6 +186,8 @@ class Interleaver:
         self.runner = _getcurrent()
         try:
             self._install()
+            if self._plan.sourced:  # forwards an earlier trace's bodies asked .source of
+                keep_instrumented(self)
             try:
                 for med in self.mediators:
                     try:

@@ -11,9 +11,11 @@ into ``__nnsight_op__(i, f, a, k=v)``, where ``i`` numbers the call site. The co
 once per code object, inside a shell function whose parameters are the helper and the
 original's free variables, so each use makes a function with the original globals, closure
 cells and defaults plus its own helper. A forward runs instrumented only in a trace whose
-bodies ask for its operations: the trace's counting wrapper calls ``slot.orig``, which is set to
-the instrumented forward for that trace and put back when it ends, so nothing on the module
-changes and a forward nobody asks about runs as it is.
+bodies ask for its operations, and in the model's later traces (from their start: the model's
+plan remembers it, ``keep_instrumented``, as nnsight keeps a forward it instrumented): the
+trace's counting wrapper calls ``slot.orig``, which is set to the instrumented forward for that
+trace and put back when it ends, so nothing on the module changes, a plain call runs it as it
+is, and a forward nobody asked about runs as it is.
 
 The helper counts every call of every operation of an instrumented forward (as the counting
 wrapper does for modules) and serves waiting bodies through the interleaver's own
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import types
+import weakref
 
 import torch
 
@@ -82,13 +85,18 @@ class SourceRun:
         if hit is not None:
             return hit[1]
         path = f"{envoy._path if envoy is not None else mslot.label()}.source"
+        sourced = self.inter._plan.sourced  # later traces instrument it from their start
+        if id(mslot.module) not in sourced:
+            sourced[id(mslot.module)] = (weakref.ref(mslot.module), set())
         if mslot.calls:
             raise OutOfOrderError(
                 f"an operation of {path} was asked for at {user_location()}, after "
                 f"{path[:-7]} had already run {mslot.calls} time(s) in this trace without its "
                 f"operations being counted (they are counted from the first use of .source in "
                 f"a trace). Touch {path} at the top of the body (before reading any value the "
-                "model computes), so its operations are counted from the start of the forward."
+                "model computes), so its operations are counted from the start of the forward. "
+                "(The model's later traces count them from their start, so there a body may "
+                "read them after values computed inside the module's own call.)"
             )
         body = _accelerate_body(mslot.module, mslot.orig)  # the hook stays, its body swaps
         func, owner = _function_of(mslot.orig if body is None else body)
@@ -185,6 +193,33 @@ def _drilled(inter, slot: OpSlot, fn):
     return slot.made
 
 
+def keep_instrumented(inter) -> None:
+    """Run instrumented, from the start of this trace, the forwards whose operations bodies of
+    the model's earlier traces asked for (and drill the operations whose ``.source`` they
+    used), as nnsight keeps a forward instrumented once a trace touched its ``.source``. So a
+    body may read such an operation after a value computed inside the module's own call (its
+    ``attn.c_attn.output``, then ``attn.source.<op>``): a first trace that touches the
+    operation alone makes that work, as nnsight's tutorials do."""
+    plan = inter._plan
+    for key, (ref, drilled) in list(plan.sourced.items()):
+        module = ref()
+        if module is None:
+            del plan.sourced[key]
+            continue
+        mslot = inter.slots.get(key)
+        if mslot is None or mslot.module is not module:
+            continue  # (no longer in the model: it may come back)
+        try:
+            ops = run_of(inter).ops_of(mslot)
+        except SourceUnavailableError:  # (its forward was replaced by one with no source)
+            del plan.sourced[key]
+            continue
+        for name in drilled:
+            slot = ops.get(name)
+            if slot is not None:
+                slot.drill = True
+
+
 def run_of(inter) -> SourceRun:
     run = inter.sources
     if run is None:
@@ -212,7 +247,8 @@ class Source:
 
     Each operation is an :class:`OpEnvoy` (``.output``, ``.input``, ``.inputs``, ``.next()``,
     ``.skip()``, nested ``.source``). Touching ``.source`` inside a body makes the module's
-    forward run instrumented for that trace; other modules run their own forward unchanged.
+    forward run instrumented for that trace and the model's later ones; other modules run
+    their own forward unchanged.
     """
 
     def __init__(self, envoy):
@@ -334,15 +370,23 @@ class OpEnvoy:
         med = current_mediator(self, "source")
         slot = med.interleaver.slot_of(self)
         if not slot.drill:
+            parent = self._parent
+            if isinstance(parent, Source):  # later traces drill it from their start
+                hit = med.interleaver._plan.sourced.get(id(parent._envoy._module))
+                if hit is not None:
+                    hit[1].add(self._name)
             if slot.calls:
                 raise OutOfOrderError(
                     f"{self._path}.source was first used at {user_location()}, after "
                     f"{self._path} had already run {slot.calls} time(s) in this trace. Use "
                     f"{self._path}.source at the top of the body (before reading any value "
-                    "the model computes), so its operations are counted from the start."
+                    "the model computes), so its operations are counted from the start. (The "
+                    "model's later traces count them from their start.)"
                 )
             slot.drill = True
-        med.get(self, INPUT)
+        call = med.iteration
+        if not slot.drill or not slot.outs <= call < slot.calls or slot.fn is None:
+            med.get(self, INPUT)  # (else this call runs now: a body read an op inside it)
         if slot.error is not None:
             raise SourceUnavailableError(f"{slot.error} (at {user_location()})")
         return FunctionSource(self, slot.comp)

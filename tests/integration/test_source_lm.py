@@ -198,3 +198,52 @@ def test_the_root_of_a_language_model_has_source(lm, hf, arch, model_dirs):
         hook.remove()
     torch.testing.assert_close(h, seen[0])
     assert str(lm._source) == str(model_dirs[arch])
+
+
+def test_attention_pattern_after_a_warm_up_trace(model_dirs, hf, arch):
+    """nnsight's TransformerLens migration tutorial: one trace touches the attention
+    function's ``.source``; the next reads the query projection (computed inside attention's
+    own call) and then the attention weights from that op, and a read of the softmax inside
+    the attention function follows. Each equals plain transformers (``output_attentions``,
+    eager attention). Found by a docs hunt: the second trace raised OutOfOrderError, where
+    nnsight 0.8.1 runs it."""
+    import warnings
+
+    from nnsight_lite import LanguageModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        lm = LanguageModel(model_dirs[arch], dispatch=True, attn_implementation="eager")
+    enc = lm.tokenizer(PROMPT, return_tensors="pt")
+    attn = attn_of(layers(lm, arch)[1], arch)
+    first = attn.c_attn if arch == "gpt2" else attn.q_proj
+    with lm.trace(PROMPT):  # the warm-up: touches the op alone
+        attn.source.attention_interface_0.output[1].save()
+    with lm.trace(PROMPT):
+        q = first.output.save()
+        pattern = attn.source.attention_interface_0.output[1].save()
+    with lm.trace(PROMPT):
+        q2 = first.output.save()
+        probs = attn.source.attention_interface_0.source.nn_functional_softmax_0.output.clone().save()
+        attn.source.attention_interface_0.source.nn_functional_softmax_0.output[:] = 0
+        logits = lm.lm_head.output.save()
+    plain = _eager_hf(model_dirs[arch])
+    with torch.no_grad():
+        ref = plain(**enc, output_attentions=True)
+    torch.testing.assert_close(pattern, ref.attentions[1])
+    torch.testing.assert_close(probs.to(pattern.dtype), pattern)
+    torch.testing.assert_close(q, q2)
+    mod = proj_of(attn_of(layers(plain, arch)[1], arch), arch)
+    handle = mod.register_forward_pre_hook(lambda m, a: (torch.zeros_like(a[0]),))
+    try:
+        with torch.no_grad():
+            zeroed = plain(**enc).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(logits, zeroed)
+
+
+def _eager_hf(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")

@@ -286,6 +286,34 @@ class TestOrder:
         torch.testing.assert_close(out, net(x), rtol=0, atol=0)
 
 
+    def test_a_later_trace_counts_the_operations_from_its_start(self, block, x):
+        """Once a trace's body asked for a module's operations, the model's later traces run
+        its forward instrumented from their start, as nnsight keeps it: a body may then read an
+        operation after a value computed inside the module's own call (``model.lin.output``,
+        the Linear that forward calls first), the warm-up nnsight's TransformerLens migration
+        tutorial relies on. The refused trace itself counts as that first trace. Found by a
+        docs hunt: the later trace raised OutOfOrderError, where nnsight 0.8.1 runs it."""
+        model = NNsight(block)
+        with pytest.raises(OutOfOrderError, match=r"later traces count them from their start"):
+            with model.trace(x):
+                model.lin.output
+                model.source.torch_relu_0.output
+        for _ in range(2):
+            with model.trace(x):
+                h = model.lin.output.save()
+                r = model.source.torch_relu_0.output.clone().save()
+                model.source.torch_relu_0.output[:] = 0
+                out = model.output.save()
+            torch.testing.assert_close(h, block.lin(x))
+            torch.testing.assert_close(r, torch.relu(block.lin(x)))
+            torch.testing.assert_close(out, plain(block, x, relu0=torch.zeros_like))
+        with model.trace(x):
+            out = model.output.save()
+        torch.testing.assert_close(out, plain(block, x))
+        torch.testing.assert_close(block(x), plain(block, x))
+        assert block.frames[-1] is Block.forward.__code__  # a plain call runs it as it is
+
+
 class TestCalls:
     def test_next_iter_and_all_address_each_call(self, x):
         """A module called three times: its op's .next(), tracer.iter[i] and tracer.all() give
@@ -352,6 +380,37 @@ class TestNested:
         torch.testing.assert_close(m, h @ h.T)
         torch.testing.assert_close(out, plain(block, x, scores=lambda s: torch.full_like(s, 0.25)))
 
+    def test_nested_source_used_again_inside_the_same_call(self, block, x):
+        """``op.source`` written out again after a read inside the called function (read an op,
+        then edit another, each line spelling the whole path) reaches the call that runs now.
+        Found by a docs hunt: the second ``.source`` waited for the op's input, which had
+        passed, and raised OutOfOrderError, where nnsight 0.8.1 runs it."""
+        model = NNsight(block)
+        with model.trace(x):
+            m = model.source.scaled_scores_0.source.torch_matmul_0.output.save()
+            s = model.source.scaled_scores_0.source.torch_softmax_0.output.clone().save()
+            model.source.scaled_scores_0.source.torch_softmax_0.output[:] = 0.25
+            out = model.output.save()
+        h = torch.relu(block.lin(x)) + torch.relu(-block.lin(x))
+        torch.testing.assert_close(m, h @ h.T)
+        torch.testing.assert_close(s, torch.softmax(h @ h.T * 0.5, dim=-1))
+        torch.testing.assert_close(out, plain(block, x, scores=lambda s: torch.full_like(s, 0.25)))
+
+    def test_a_later_trace_drills_from_its_start(self, block, x):
+        """A nested ``.source`` a body used is drilled from the start of the model's later
+        traces: a body there may read the outer operation's input first (which the nested
+        ``.source`` would otherwise have to precede)."""
+        model = NNsight(block)
+        with model.trace(x):
+            model.source.scaled_scores_0.source.torch_matmul_0.output.save()
+        with model.trace(x):
+            q = model.source.scaled_scores_0.input.save()
+            model.source.scaled_scores_0.source.torch_softmax_0.output[:] = 0.25
+            out = model.output.save()
+        h = torch.relu(block.lin(x)) + torch.relu(-block.lin(x))
+        torch.testing.assert_close(q, h)
+        torch.testing.assert_close(out, plain(block, x, scores=lambda s: torch.full_like(s, 0.25)))
+
     def test_nested_source_of_a_callable_object_is_its_call(self, x):
         """An op that calls an object with a Python ``__call__`` (a diffusers-style attention
         processor) drills into that ``__call__``: its ops are read and edited like any."""
@@ -401,7 +460,7 @@ class TestNested:
 class TestCost:
     def test_only_traces_that_ask_run_the_instrumented_forward(self, block, x):
         """A trace that uses no op runs the original forward code; a trace that does runs the
-        instrumented one for that trace only; afterwards plain calls are original again."""
+        instrumented one (and so do the model's later traces); plain calls are original."""
         model = NNsight(block)
         original = Block.forward.__code__
         with model.trace(x):
