@@ -102,9 +102,12 @@ class LanguageModel(LazyWeights, NNsight):
       (no weight memory): it can be printed, scanned and traced code can be written; the
       weights load on the first ``trace``, ``generate`` or call.
     - ``dtype`` (or the older ``torch_dtype``), ``device_map`` ("auto" needs accelerate) and
-      any other keyword: passed to ``from_pretrained``.
+      any other keyword: passed to ``from_pretrained``; ``device`` ("cpu", "cuda:0", as
+      nnsight takes it): the device the loaded model is moved to.
     - ``tokenizer_kwargs``: passed to ``AutoTokenizer.from_pretrained``; with ``tokenizer``
       given, set as its attributes (``{"padding_side": "right"}``), as nnsight 0.8 does.
+    - ``task``: nnsight 0.8's way to pick the model class; ``"text-generation"`` (the
+      default) only, since this class loads causal LMs.
     - ``automodel``: the class to load with (default ``AutoModelForCausalLM``): an auto class
       (``AutoModelForSeq2SeqLM``, ``AutoModel``), a model class (``LlamaForCausalLM``) or the
       name of either in ``transformers`` (``automodel="AutoModelForSeq2SeqLM"``, as in nnsight).
@@ -118,7 +121,13 @@ class LanguageModel(LazyWeights, NNsight):
 
     def __init__(self, model, *, tokenizer=None, dispatch: bool = False, automodel=None,
                  tokenizer_kwargs: dict | None = None, rename: dict | None = None,
-                 envoys: dict | None = None, **kwargs):
+                 envoys: dict | None = None, task: str | None = None, **kwargs):
+        if task not in (None, "text-generation"):
+            raise ValueError(
+                f"{type(self).__name__}(..., task={task!r}): nnsight_lite wraps causal language "
+                "models only (task='text-generation'); load another kind of model with "
+                "transformers yourself and wrap it with NNsight(model)"
+            )
         d = self.__dict__
         if tokenizer is not None:
             if getattr(tokenizer, "padding_side", "left") != "left":

@@ -72,7 +72,12 @@ class LazyWeights:
         return module
 
     def _load(self) -> torch.nn.Module:
-        return self._auto().from_pretrained(self._source, **self._load_kwargs)
+        kw = self._load_kwargs
+        device = kw.get("device")  # (nnsight's keyword: HF's from_pretrained has none)
+        if "device" in kw:
+            kw = {k: v for k, v in kw.items() if k != "device"}
+        module = self._auto().from_pretrained(self._source, **kw)
+        return module if device is None else module.to(device)
 
     @property
     def dispatched(self) -> bool:

@@ -19,17 +19,9 @@ class TransformersModel(LanguageModel):
             logits = model.output.logits.save()
 
     ``task=`` (0.8's way to pick the model class) may be ``"text-generation"`` (the default);
-    another task raises ``ValueError``, since this class loads causal LMs only.
+    another task raises ``ValueError``, since this class loads causal LMs only (as
+    ``LanguageModel`` does).
     """
-
-    def __init__(self, model, *args, task: str | None = None, **kwargs):
-        if task not in (None, "text-generation"):
-            raise ValueError(
-                f"TransformersModel(..., task={task!r}): nnsight_lite wraps causal language "
-                "models only (task='text-generation'); load another kind of model with "
-                "transformers yourself and wrap it with NNsight(model)"
-            )
-        super().__init__(model, *args, **kwargs)
 
 
 __all__ = ["TransformersModel"]

@@ -130,3 +130,32 @@ def test_nnsight_08_names_and_module_paths(model_dirs, hf, arch):
     with model.trace(PROMPT):
         logits = model.output.logits.save()
     torch.testing.assert_close(logits, hf(**enc).logits)
+
+
+def test_device_and_task_keywords_of_nnsight_08(model_dirs, hf, arch):
+    """``device=`` (nnsight's MoE routing tutorial loads with ``device="cpu"``) puts the loaded
+    model on that device, dispatched now or at the first trace, for ``LanguageModel`` and
+    ``TransformersModel``; ``task="text-generation"`` is accepted by ``LanguageModel`` too, as
+    nnsight 0.8.1's is. Found by a docs hunt: both raised transformers' TypeError
+    (``__init__() got an unexpected keyword argument 'device'`` / ``'task'``)."""
+    import warnings as _warnings
+
+    from nnsight_lite import LanguageModel, TransformersModel
+
+    want = None
+    for cls, kw in ((LanguageModel, dict(device="cpu", dispatch=True)),
+                    (LanguageModel, dict(device=torch.device("cpu"), task="text-generation")),
+                    (TransformersModel, dict(device="cpu", task="text-generation",
+                                             dispatch=True))):
+        with _warnings.catch_warnings():
+            _warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
+            model = cls(model_dirs[arch], **kw)
+        enc = model.tokenizer(PROMPT, return_tensors="pt")
+        with model.trace(PROMPT):
+            logits = model.output.logits.save()
+        assert next(model.parameters()).device == torch.device("cpu")
+        if want is None:
+            want = hf(**enc).logits
+        torch.testing.assert_close(logits, want)
+    with pytest.raises(ValueError, match="causal language models only"):
+        LanguageModel(model_dirs[arch], task="image-classification")
