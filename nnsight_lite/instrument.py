@@ -38,9 +38,10 @@ class Compiled:
     op is in the source (``spans``: first and last line, file numbering)."""
 
     __slots__ = ("code", "names", "spans", "lines", "first", "filename", "qualname", "index",
-                 "aliases")
+                 "aliases", "assigned")
 
-    def __init__(self, code, names, spans, lines, first, filename, qualname, aliases=None):
+    def __init__(self, code, names, spans, lines, first, filename, qualname, aliases=None,
+                 assigned=None):
         self.code = code
         self.names = names
         self.spans = spans
@@ -51,10 +52,29 @@ class Compiled:
         self.index = {n: i for i, n in enumerate(names)}
         #: nnsight 0.8's names of the same operations, where they differ (opnames.py)
         self.aliases = {a: n for a, n in (aliases or {}).items() if a not in self.index}
+        #: nnsight 0.8's names of assignments (``x = ...`` is ``x_0``), not operations here:
+        #: name -> line, for the error that says so (``unknown``)
+        self.assigned = {a: line for a, line in (assigned or {}).items()
+                         if a not in self.index and a not in self.aliases}
 
     def resolve(self, name: str) -> str:
         """``name``, or the operation it is nnsight 0.8's name for."""
         return name if name in self.index else self.aliases.get(name, name)
+
+    def unknown(self, name: str) -> str:
+        """Why ``name`` names no operation of this function, where it is nnsight 0.8's name of
+        an assignment (else "")."""
+        line = self.assigned.get(name)
+        if line is None:
+            return ""
+        text = self.lines[line - self.first].strip() if 0 <= line - self.first < len(
+            self.lines) else ""
+        calls = [n for n, (start, end) in zip(self.names, self.spans) if start <= line <= end]
+        there = (f" the calls on that line are {', '.join(calls)}: the last one's .output is "
+                 "usually the value assigned;" if calls else "")
+        return (f" nnsight 0.8 names the assignment on line {line} ({text!r}) {name}, but "
+                f"operations here are calls only (assignments are not):{there} the operation "
+                "that uses the value next has it as its .input.")
 
     def listing(self, title: str) -> str:
         """The source with each operation's name beside the line where its call starts."""
@@ -163,7 +183,7 @@ def compiled(func: types.FunctionType) -> Compiled:
             f"the source found for {func.__qualname__} is not a function definition "
             f"({code.co_filename}:{first}); its operations cannot be traced"
         )
-    numbered_08 = numbered_like_08(fdef)
+    numbered_08, assigned_08 = numbered_like_08(fdef)
     fdef.decorator_list = []  # the rewrite replaces the function the decorators wrapped
     rw = _Rewriter(numbered_08)
     fdef = rw.visit(fdef)
@@ -183,7 +203,7 @@ def compiled(func: types.FunctionType) -> Compiled:
             "cannot be traced"
         )
     result = Compiled(inner, tuple(rw.names), tuple(rw.spans), lines, first,
-                      code.co_filename, func.__qualname__, rw.aliases)
+                      code.co_filename, func.__qualname__, rw.aliases, assigned_08)
     _cache[code] = result
     _cache[inner] = result  # the instrumented function lists the same operations
     return result

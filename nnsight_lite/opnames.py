@@ -1,6 +1,6 @@
 """The names nnsight 0.8 gives a forward's call operations, so ``.source`` accepts them too.
 
-    numbered_like_08(fdef) -> {id(call node): name}
+    numbered_like_08(fdef) -> ({id(call node): name}, {assignment's name: its line})
 
 ``.source`` names a call ``<dotted callee>_<n>`` with ``n`` counting that callee's calls, and a
 chained call after the call it is chained to (``x.view(s).transpose(1, 2)`` ->
@@ -11,7 +11,7 @@ the same name (``attention_interface = get(...)`` is ``attention_interface_0``, 
 by its trailing attributes only (``transpose_4``: the fifth ``.transpose(...)`` of the forward).
 Those names are accepted as aliases of the same call operations wherever they do not name
 another operation here (assignments are not operations here, so ``attention_interface_0``
-stays the call).
+stays the call); an assignment's 0.8 name is kept with its line, for the error that says so.
 
 The numbering follows execution order: a call's callee and arguments are numbered before the
 call; an assignment's value before its targets, and the binding after both; ``a, b = c, d``
@@ -26,18 +26,20 @@ import ast
 __all__ = ["numbered_like_08"]
 
 
-def numbered_like_08(fdef: ast.AST) -> dict:
+def numbered_like_08(fdef: ast.AST) -> tuple:
     """``{id(call node): nnsight 0.8's name}`` for every call in ``fdef`` (an unrewritten
-    function definition); also the bindings, in ``_Numbering.order``, for checking."""
+    function definition), and ``{0.8's name of an assignment: its line}``; every name in
+    order is in ``_Numbering.order``, for checking."""
     numbering = _Numbering()
     numbering.visit(fdef)
-    return numbering.calls
+    return numbering.calls, numbering.bound
 
 
 class _Numbering(ast.NodeVisitor):
     def __init__(self):
         self.counts: dict[str, int] = {}
         self.calls: dict[int, str] = {}
+        self.bound: dict[str, int] = {}  # an assignment's name -> the line of its target
         self.order: list[str] = []  # every name, calls and bindings, as numbered
 
     def _next(self, base: str) -> str:
@@ -76,7 +78,7 @@ class _Numbering(ast.NodeVisitor):
             return
         parts, rooted = _dotted(target)
         if rooted:
-            self._next("_".join(parts))
+            self.bound[self._next("_".join(parts))] = target.lineno
 
 
 def _dotted(expr) -> tuple:

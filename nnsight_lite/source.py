@@ -289,7 +289,8 @@ class Source:
                 return hit
         if name not in names:
             raise ModulePathError(
-                f"{self._path} has no operation {name!r} (at {user_location()}).{_near(name, names)} "
+                f"{self._path} has no operation {name!r} (at {user_location()})."
+                f"{comp.unknown(name)}{_near(name, names)} "
                 f"print({self._path}) lists the operations of "
                 f"{type(self._envoy._module).__name__}.forward by name."
             )
@@ -443,7 +444,8 @@ class FunctionSource:
         name = self._comp.resolve(name)
         if name not in names:
             raise ModulePathError(
-                f"{self._path} has no operation {name!r} (at {user_location()}).{_near(name, names)} "
+                f"{self._path} has no operation {name!r} (at {user_location()})."
+                f"{self._comp.unknown(name)}{_near(name, names)} "
                 f"print({self._path}) lists the operations of {self._comp.qualname}."
             )
         return OpEnvoy(self, name)

@@ -159,6 +159,25 @@ class TestNnsight08Names:
             model.source.act_2
 
 
+    def test_an_08_assignment_name_says_assignments_are_not_operations(self):
+        """nnsight 0.8 also names assignments (``h = act(self.lin(x))`` is ``h_0``; 0.8's
+        tutorials read ``ssm_state_3``): here that raises ModulePathError saying it is 0.8's
+        name of the assignment on that line, that operations are calls only, and which calls
+        the line has. Found by a docs hunt: the error only listed near matches."""
+        model = NNsight(Picker())
+        line = next(i for i, text in enumerate(open(__file__), 1)
+                    if "h = act(self.lin(x))" in text)
+        with pytest.raises(ModulePathError) as info:
+            model.source.h_0
+        text = str(info.value)
+        assert f"names the assignment on line {line} ('h = act(self.lin(x))" in text
+        assert "operations here are calls only" in text
+        assert "the calls on that line are self_lin_0, act_0" in text
+        with pytest.raises(ModulePathError) as info:  # a name that is no assignment either
+            model.source.h_5
+        assert "assignment" not in str(info.value)
+
+
 class TestValues:
     def test_outputs_and_inputs_equal_plain_computation(self, block, x):
         """.output, .input and .inputs of ops equal the values computed by hand."""
