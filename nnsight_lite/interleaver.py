@@ -241,6 +241,9 @@ class Interleaver:
         """The forward is over: every body still waiting gets an error (or ends its iter loop)."""
         for med in self.mediators:
             while not med.done and med.pending is not None:
+                if med.pending.__class__ is ModuleCall:  # tracer.stop() ended the forward
+                    break  # inside the call this body made (hook=True): _end unwinds it, as
+                    # nnsight drops such a body, silently (its later reads are cut too)
                 if isinstance(med.pending, NameWait):
                     self.name_waiters.remove(med)
                     self.register(med, med.resume(None, med.missed_error()))

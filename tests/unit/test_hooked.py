@@ -155,3 +155,29 @@ def test_a_hooked_call_at_each_call_of_a_reused_module(parts):
         want_out = net[1](b)
     assert all(torch.allclose(u, w) for u, w in zip(ups, want, strict=True))
     assert torch.allclose(out, want_out)
+
+
+def test_a_stop_inside_an_edits_hooked_call_ends_the_trace_quietly(parts):
+    """nnsight's SAE-evaluation tutorial: an edit runs the attached module alongside the model
+    (``model.layer.sae(model.layer.output, hook=True)``, result discarded) and each trace reads
+    the module's internals, then calls ``tracer.stop()``, which ends the forward inside the
+    edit's call. The trace ends with the value read, the model is unchanged by the edit, and
+    the edit's body (cut at its call, its later reads too) ends silently, as in nnsight. Found
+    by a docs hunt: it raised TypeError 'cannot unpack non-iterable ModuleCall object'."""
+    net, aux, x = parts
+    up, _, _ = _plain(net, aux, x)
+    model = NNsight(net)
+    with model.edit(inplace=True):
+        model[0].aux(model[0].output, hook=True)
+        model[1].output[:] = 0  # (cut by the stop: never reached)
+    for _ in range(2):
+        with torch.no_grad(), model.trace(x) as tracer:
+            got = model[0].aux.up.output.save()
+            tracer.stop()
+        torch.testing.assert_close(got, up)
+    model.clear_edits()
+    with model.edit(inplace=True):
+        model[0].aux(model[0].output, hook=True)
+    with torch.no_grad(), model.trace(x):
+        out = model.output.save()
+    torch.testing.assert_close(out, net(x))  # the discarded call changes nothing
