@@ -4,4 +4,5 @@ import LanguageModel`` runs with ``nnsight`` changed to ``nnsight_lite``.
     base.NNsight                    the wrapper of any torch.nn.Module
     language.LanguageModel          a Hugging Face causal LM and its tokenizer
     transformers.TransformersModel  nnsight 0.8's name for the Hugging Face wrapper
+    transformers.WrapperModule      an identity module: a value routed through it is an .output
 """

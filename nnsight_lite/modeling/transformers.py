@@ -1,7 +1,10 @@
 """``nnsight.modeling.transformers``: :class:`TransformersModel`, nnsight 0.8's name for the
-Hugging Face wrapper."""
+Hugging Face wrapper, and :class:`WrapperModule`, the identity module nnsight's tutorials route
+a value through to read it (``sae.encode.output``)."""
 
 from __future__ import annotations
+
+import torch
 
 from ..language import LanguageModel
 
@@ -24,4 +27,22 @@ class TransformersModel(LanguageModel):
     """
 
 
-__all__ = ["TransformersModel"]
+class WrapperModule(torch.nn.Module):
+    """An identity module: returns what it is called with (its one argument, or the tuple of
+    several), so that a value computed in plain code becomes a module's ``.output``.
+
+    Example (nnsight's SAE tutorial)::
+
+        class SAE(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.encode = WrapperModule()       # model.layers[12].sae.encode.output
+            def forward(self, x):
+                return self.encode(torch.relu(x @ self.W_enc)) @ self.W_dec
+    """
+
+    def forward(self, *args, **kwargs):
+        return args[0] if len(args) == 1 else args
+
+
+__all__ = ["TransformersModel", "WrapperModule"]

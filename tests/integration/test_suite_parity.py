@@ -159,3 +159,62 @@ def test_device_and_task_keywords_of_nnsight_08(model_dirs, hf, arch):
         torch.testing.assert_close(logits, want)
     with pytest.raises(ValueError, match="causal language models only"):
         LanguageModel(model_dirs[arch], task="image-classification")
+
+
+def test_wrapper_module_makes_an_attached_sae_readable(model_dirs, hf, arch):
+    """nnsight's SAE-evaluation tutorial imports ``WrapperModule`` from
+    ``nnsight.modeling.transformers`` (an identity module that makes a value a module's
+    output), attaches the SAE to a decoder layer and splices it in with an edit: the SAE's
+    ``encode`` / ``decode`` outputs read in a trace equal the SAE applied to the plain layer
+    output, and the logits equal plain HF with the layer's output replaced. Found by a docs hunt:
+    the import raised ImportError."""
+    import warnings as _warnings
+
+    from nnsight_lite import LanguageModel
+    from nnsight_lite.modeling.transformers import WrapperModule
+
+    class SAE(torch.nn.Module):
+        def __init__(self, d, k):
+            super().__init__()
+            self.encode = WrapperModule()
+            self.decode = WrapperModule()
+            self.W_enc = torch.nn.Parameter(torch.randn(d, k) * 0.3)
+            self.W_dec = torch.nn.Parameter(torch.randn(k, d) * 0.3)
+
+        def forward(self, x):
+            acts = self.encode(torch.relu(x @ self.W_enc))
+            return self.decode(acts @ self.W_dec)
+
+    assert WrapperModule()(3) == 3 and WrapperModule()(1, 2) == (1, 2)
+    torch.manual_seed(0)
+    sae = SAE(hf.config.hidden_size, 16)
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
+        model = LanguageModel(model_dirs[arch], dispatch=True)
+    layer = model.transformer.h[1] if arch == "gpt2" else model.model.layers[1]
+    layer.sae = sae
+    with model.edit(inplace=True):
+        layer.output[:] = layer.sae(layer.output, hook=True)
+    with torch.no_grad(), model.trace(PROMPT):
+        acts = layer.sae.encode.output.save()
+        recon = layer.sae.decode.output.save()
+        logits = model.output.logits.save()
+    model.clear_edits()
+    enc = model.tokenizer(PROMPT, return_tensors="pt")
+    block = hf.transformer.h[1] if arch == "gpt2" else hf.model.layers[1]
+    seen = {}
+
+    def splice(m, a, o):
+        seen["h"] = o.clone()
+        return sae(o)
+
+    handle = block.register_forward_hook(splice)
+    try:
+        with torch.no_grad():
+            want = hf(**enc).logits
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        torch.testing.assert_close(acts, torch.relu(seen["h"] @ sae.W_enc))
+        torch.testing.assert_close(recon, sae(seen["h"]))
+    torch.testing.assert_close(logits, want)
