@@ -47,6 +47,7 @@ import torch
 from . import prompts
 from .backward import _called_as_context
 from .envoy import Envoy
+from .envoy_names import _module_first
 from .errors import InputError
 from .generation import Generator, _GeneratorEnvoy, _GeneratorOutput
 from .lazy_weights import LazyWeights, _auto_class
@@ -184,6 +185,22 @@ class LanguageModel(LazyWeights, NNsight):
         generation is over (after the body's step loop)."""
         return self._generator
 
+    @_module_first
+    def pipe(self):
+        """nnsight 0.8's ``model.pipe(prompt, **kwargs)``: the Hugging Face text-generation
+        pipeline over this model and its tokenizer (made once per module; the weights load
+        first), for decoded records (``[{"generated_text": ...}]``) where ``generate`` gives
+        token ids. A plain call: no trace, and the model's persistent edits do not apply."""
+        self.dispatch()
+        d = self.__dict__
+        made = d.get("_pipe")
+        if made is None or made[0] is not self._module:
+            from transformers import pipeline
+
+            made = d["_pipe"] = (self._module, pipeline(
+                "text-generation", model=self._module, tokenizer=self.tokenizer))
+        return made[1]
+
     def __setattr__(self, name, value):
         if name == "tokenizer":
             self.__dict__["_tokenizer"] = prompts.with_pad_token(value)
@@ -306,6 +323,7 @@ class LanguageModel(LazyWeights, NNsight):
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_emb_hit", None)  # (weak references: asked again after unpickling)
+        state.pop("_pipe", None)  # (model.pipe's pipeline: made again when asked)
         return state
 
     def _input_embedding(self):

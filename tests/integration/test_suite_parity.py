@@ -218,3 +218,27 @@ def test_wrapper_module_makes_an_attached_sae_readable(model_dirs, hf, arch):
         torch.testing.assert_close(acts, torch.relu(seen["h"] @ sae.W_enc))
         torch.testing.assert_close(recon, sae(seen["h"]))
     torch.testing.assert_close(logits, want)
+
+
+def test_pipe_gives_the_text_generation_pipelines_records(model_dirs, hf, arch):
+    """``model.pipe(prompt, **kwargs)`` (nnsight 0.8's multiple-token page: decoded records
+    instead of token ids) equals the Hugging Face text-generation pipeline over the same model
+    and tokenizer. Found by a docs hunt: it raised ModulePathError (no attribute 'pipe')."""
+    import warnings as _warnings
+
+    import transformers
+
+    from nnsight_lite import LanguageModel
+
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
+        model = LanguageModel(model_dirs[arch])  # on meta: pipe loads the weights first
+    got = model.pipe(PROMPT, max_new_tokens=3, do_sample=False)
+    assert model.dispatched and model.pipe is model.pipe
+    want = transformers.pipeline("text-generation", model=hf, tokenizer=model.tokenizer)(
+        PROMPT, max_new_tokens=3, do_sample=False)
+    assert got == want and got[0]["generated_text"].startswith(PROMPT)
+    import pickle
+
+    again = pickle.loads(pickle.dumps(model))  # (the pipeline is made again, not pickled)
+    assert "_pipe" not in again.__dict__
