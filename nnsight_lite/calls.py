@@ -14,7 +14,7 @@ modules at a trace's start and takes them off at its end. They reach the running
 from __future__ import annotations
 
 import re
-from threading import get_ident
+from threading import Lock, get_ident
 from typing import TYPE_CHECKING
 
 import torch
@@ -234,22 +234,30 @@ def has_fast_path(module) -> bool:
 
 
 class _LayerCheckOff:
-    """What torch's fast-path flag holds during one guarded layer call (_fast_path_off): false
-    to its first truth test on the trace's forward greenlet, the layer's own check at the top
-    of its forward, and true to every later one (the MultiheadAttention inside the layer, whose
-    own fast path hooks do not turn off either) and to bodies and other threads."""
+    """What torch's fast-path flag holds while guarded layer calls run (_fast_path_off), on any
+    thread: false to the first truth test on each armed trace's forward greenlet after its
+    guard armed it (the layer's own check at the top of its forward), and true to every later
+    one (the MultiheadAttention inside the layer, whose own fast path hooks do not turn off
+    either), to bodies, to other threads' plain forwards and to their traces' unguarded layers.
+    One object for all threads: a flag of one trace's own would read as turned off to another
+    thread's trace running meanwhile, which then let its layer run fast."""
 
-    __slots__ = ("runner", "spent")
+    __slots__ = ("armed",)
 
-    def __init__(self, runner):
-        self.runner = runner
-        self.spent = False
+    def __init__(self):
+        self.armed = {}  # forward greenlet -> whether its layer's check is still to come
 
     def __bool__(self) -> bool:
-        if self.spent or _getcurrent() is not self.runner:
-            return True
-        self.spent = True
-        return False
+        armed = self.armed
+        runner = _getcurrent()
+        if armed.get(runner):
+            armed[runner] = False
+            return False
+        return True
+
+
+_CHECK_OFF = _LayerCheckOff()
+_check_lock = Lock()  # (arming and putting the flag back, across threads)
 
 
 def _fast_path_off(call, slot: Slot, live: _Live):
@@ -259,11 +267,14 @@ def _fast_path_off(call, slot: Slot, live: _Live):
     makes torch skip it: the layer then calls its submodules, and every value is the one the
     hooks would see. Other calls take the fast path, as in the plain forward."""
     module = slot.module
+    armed = _CHECK_OFF.armed
 
     def guarded(*args, **kwargs):
         inter = live.inter
-        if (inter is None or _getcurrent() is not inter.runner
-                or _mha._is_fastpath_enabled is not True):  # (turned off, or a guard's already)
+        if inter is None or _getcurrent() is not inter.runner:
+            return call(*args, **kwargs)
+        flag = _mha._is_fastpath_enabled
+        if flag is not True and flag is not _CHECK_OFF:  # (turned off by the user)
             return call(*args, **kwargs)
         slots = inter.slots
         sources = inter.sources.installed if inter.sources is not None else ()
@@ -273,12 +284,23 @@ def _fast_path_off(call, slot: Slot, live: _Live):
                 break
         else:
             return call(*args, **kwargs)
-        flag = _mha._is_fastpath_enabled = _LayerCheckOff(inter.runner)
+        runner = inter.runner
+        with _check_lock:
+            if _mha._is_fastpath_enabled is True:
+                _mha._is_fastpath_enabled = _CHECK_OFF
+            before = armed.get(runner)  # (a guarded call inside another, on this greenlet)
+            armed[runner] = True
         try:
             return call(*args, **kwargs)
         finally:
-            if _mha._is_fastpath_enabled is flag:  # (not a setting a body made meanwhile)
-                _mha._is_fastpath_enabled = True
+            with _check_lock:
+                if before is None:
+                    armed.pop(runner, None)
+                elif not before:  # (an outer layer's check was made: it stays made; one still
+                    armed[runner] = False  # to come is the same layer's, entry and wrapper)
+                # the last guard running puts the flag back (not a setting made meanwhile)
+                if not armed and _mha._is_fastpath_enabled is _CHECK_OFF:
+                    _mha._is_fastpath_enabled = True
 
     guarded.__wrapped__ = slot  # (a traced forward, as the call it guards)
     return guarded

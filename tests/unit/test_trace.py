@@ -779,3 +779,48 @@ class TestTransformerFastPath:
         assert torch.equal(cache["model"].output, ref)
         assert torch.equal(attn, seen[("layers.1.self_attn", 0)][0])
         assert torch.equal(out, plain)
+
+    def test_two_threads_read_inside_layers_of_their_own_models(self):
+        """Traces of separate models on two threads at once (the README's "separate model
+        objects work"): thread B's trace ran while thread A's was inside a guarded layer, and
+        B's layer, which B's body reads inside, took the fast path (MissedModuleError): B's
+        guard saw A's flag object in torch's global and took it for a flag turned off."""
+        import threading
+
+        enc_a, enc_b = self._encoder(), self._encoder()
+        model_a, model_b = NNsight(enc_a), NNsight(enc_b)
+        x, y = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+        with torch.no_grad():
+            seen_a, ref_a = record(enc_a, ["layers.0.self_attn", "layers.0.linear1"], x)
+            seen_b, ref_b = record(enc_b, ["layers.0.linear1"], y)
+        go, done, got = threading.Event(), threading.Event(), {}
+
+        def other():
+            go.wait()
+            try:
+                with torch.no_grad(), model_b.trace(y):
+                    got["b"] = model_b.layers[0].linear1.output.save()
+                    got["b_out"] = model_b.output.save()
+            except Exception as exc:  # (reported in the main thread)
+                got["b"] = exc
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        try:
+            with torch.no_grad(), model_a.trace(x):
+                attn = model_a.layers[0].self_attn.output[0].save()
+                go.set()  # B's whole trace runs now, while A's layer 0 is running
+                done.wait(60)
+                lin = model_a.layers[0].linear1.output.save()
+                out = model_a.output.save()
+        finally:
+            go.set()
+            thread.join(60)
+        assert isinstance(got["b"], torch.Tensor), got["b"]
+        assert torch.equal(got["b"], seen_b[("layers.0.linear1", 0)])
+        assert torch.equal(got["b_out"], ref_b)
+        assert torch.equal(attn, seen_a[("layers.0.self_attn", 0)][0])
+        assert torch.equal(lin, seen_a[("layers.0.linear1", 0)]) and torch.equal(out, ref_a)
+        assert torch.backends.mha.get_fastpath_enabled() is True
