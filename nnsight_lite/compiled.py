@@ -1,6 +1,6 @@
 """Models that hold torch.compile'd modules: a trace runs their code as plain Python.
 
-    is_compiled(module)   whether torch.compile wrapped the module or its call
+    is_compiled(module)   whether torch.compile wrapped the module, its call or its forward
     eager(forward)        ``forward()`` with every torch.compile'd callable running eagerly
 
 A trace needs every module call of its forward in Python: the call entries and forward
@@ -24,9 +24,13 @@ from .calls import _ENTRY, traced_slot
 
 def is_compiled(module) -> bool:
     """Whether ``module`` is torch.compile's wrapper of a module (``torch.compile(net)``) or
-    has a compiled call of its own (``module.compile()``): not a trace's call entry."""
-    call = module.__dict__.get(_ENTRY)
+    has a compiled call of its own (``module.compile()``: not a trace's call entry) or a
+    compiled forward (``module.forward = torch.compile(module.forward)``)."""
+    d = module.__dict__
+    call = d.get(_ENTRY)
     if call is not None and traced_slot(call) is None:
+        return True
+    if getattr(d.get("forward"), "_torchdynamo_orig_callable", None) is not None:
         return True
     dynamo = sys.modules.get("torch._dynamo.eval_frame")  # (never imported here: it is slow,
     return dynamo is not None and isinstance(module, dynamo.OptimizedModule)  # and compiling did)

@@ -110,6 +110,28 @@ def test_compiled_submodules():
     assert torch.equal(net(x), eager(x))
 
 
+def test_a_forward_compiled_in_place():
+    """``module.forward = torch.compile(module.forward)`` (a compiled forward as the module's
+    instance attribute, not ``module.compile()``): the trace ran it compiled, and dynamo
+    compiled through the call entries into the bodies (21 frames for this trace)."""
+    eager = _net()
+    net = _net()
+    net[0].forward = torch.compile(net[0].forward, backend="eager")
+    x = torch.randn(3, 8)
+    net(x)
+    frames = _frames()
+    model = NNsight(net)
+    ref_mid, ref_out = _hooked(eager, x, eager[0].fc1, edit=lambda o: o * 2)
+    for _ in range(2):
+        with model.trace(x):
+            model[0].fc1.output[:] *= 2
+            mid = model[0].fc1.output.save()
+            out = model.output.save()
+        assert torch.equal(mid, ref_mid["out"]) and torch.equal(out, ref_out)
+    assert _frames() == frames
+    assert torch.equal(net(x), eager(x))  # (the compiled forward, outside traces)
+
+
 def test_generate_with_a_cache_hf_compiles_for():
     """HF generate compiles the model's forward itself where the cache is compileable (static,
     hybrid) on an accelerator; a traced generate then had dynamo compile through the trace (43
