@@ -84,8 +84,8 @@ def _requantized(part: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     the merged tensor keep theirs exactly; a quantization other than per tensor is left as it is."""
     if full.qscheme() not in (torch.per_tensor_affine, torch.per_tensor_symmetric):
         return part  # (torch.cat says what it cannot join)
-    if part.is_quantized and part.qscheme() == full.qscheme() and \
-            part.q_scale() == full.q_scale() and part.q_zero_point() == full.q_zero_point():
+    if part.is_quantized and part.dtype is full.dtype and part.qscheme() == full.qscheme() \
+            and part.q_scale() == full.q_scale() and part.q_zero_point() == full.q_zero_point():
         return part
     value = part.dequantize() if part.is_quantized else part.float()
     return torch.quantize_per_tensor(value, full.q_scale(), full.q_zero_point(), full.dtype)

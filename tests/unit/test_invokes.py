@@ -967,6 +967,39 @@ def test_a_replacement_in_a_quantized_batch_leaves_the_other_invokes_rows_exact(
     assert torch.equal(changed, edited)
 
 
+class _Quantize(torch.nn.Module):
+    """Quantizes its input as quint8 with a fixed scale and zero point, for the whole batch."""
+
+    def forward(self, x):
+        return torch.quantize_per_tensor(x, 0.1, 10, torch.quint8)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_a_replacement_of_another_quantized_dtype_in_a_batch():
+    """An invoke replacing a quint8 output with a qint8 tensor of the same scale and zero point:
+    batching.merge took it as already quantized as the batch is (it compared the scheme, scale
+    and zero point, not the dtype), and torch.cat raised "All dtypes must be the same". Its rows
+    are quantized as the batch's tensor is, like any other replacement's, and the other
+    invoke's rows are left exact."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), _Quantize(), torch.nn.Identity())
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        ref = net(x).dequantize()
+    value = torch.quantize_per_tensor(torch.full((1, 4), 0.5), 0.1, 10, torch.qint8)
+    edited = torch.quantize_per_tensor(value.dequantize(), 0.1, 10, torch.quint8)
+    model = NNsight(net)
+    with torch.no_grad(), model.trace() as tracer:
+        with tracer.invoke(x[:1]):
+            model[1].output = value
+            y0 = model.output.save()
+        with tracer.invoke(x[1:]):
+            y1 = model.output.save()
+    assert y0.dtype == y1.dtype == torch.quint8
+    assert torch.equal(y0.dequantize(), edited.dequantize())
+    assert torch.equal(y1.dequantize(), ref[1:])
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 def test_a_float_replacement_of_a_quantized_output_is_told_how_to_quantize_it():
     """One invoke replacing a quint8 output with a float tensor: the next quantized module
