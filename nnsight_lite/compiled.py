@@ -18,6 +18,7 @@ traces. Only such models pay for the stance (~60 µs a trace).
 from __future__ import annotations
 
 import sys
+import threading
 
 from .calls import _ENTRY, traced_slot
 
@@ -37,11 +38,32 @@ def is_compiled(module) -> bool:
 
 
 def eager(forward):
-    """``forward()`` with torch.compile's callables running their original code."""
+    """``forward()`` with torch.compile's callables running their original code.
+
+    The stance is process-wide, and traces on other threads may overlap this one in any order:
+    the first trace running sets it and the last one to end puts back the stance it found
+    (each trace putting back the stance it found itself would leave force_eager on for good
+    where two overlap without nesting)."""
     import torch
 
     set_stance = getattr(torch.compiler, "set_stance", None)
     if set_stance is None:  # torch < 2.6: dynamo runs as it would (the trace may recompile)
         return forward()
-    with set_stance("force_eager"):
+    global _users, _setter
+    with _lock:
+        if _users == 0:
+            _setter = set_stance("force_eager")  # (sets it now, and keeps the one before)
+        _users += 1
+    try:
         return forward()
+    finally:
+        with _lock:
+            _users -= 1
+            if _users == 0:  # the last trace running puts back the stance the first found
+                _setter.__exit__(None, None, None)
+                _setter = None
+
+
+_lock = threading.Lock()
+_users = 0  # traces running under the eager stance, on any thread
+_setter = None  # torch's set_stance("force_eager") that the first of them made

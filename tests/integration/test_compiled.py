@@ -132,6 +132,59 @@ def test_a_forward_compiled_in_place():
     assert torch.equal(net(x), eager(x))  # (the compiled forward, outside traces)
 
 
+def test_traces_on_two_threads_leave_the_stance_as_they_found_it():
+    """Traces of two compiled models on two threads, overlapping (the README: separate model
+    objects work): each took torch.compiler.set_stance("force_eager") as a context manager of
+    its own, so B, entered while A's stance was on, put force_eager back when it ended after A,
+    and every compiled call of the process ran eagerly from then on: a new input shape no longer
+    compiled anything."""
+    import threading
+
+    def compiled():
+        torch.manual_seed(0)
+        return torch.compile(_net(), backend="eager")
+
+    a, b = compiled(), compiled()
+    x = torch.randn(3, 8)
+    ref = _net()(x)
+    a(x)
+    b(x)
+    model_a, model_b = NNsight(a), NNsight(b)
+    a_in, b_in, a_done, got = threading.Event(), threading.Event(), threading.Event(), {}
+
+    def other():
+        a_in.wait(60)
+        try:
+            with model_b.trace(x):
+                first = model_b[0].output.save()
+                b_in.set()  # B's forward is running now; A's trace ends meanwhile
+                a_done.wait(60)
+                out = model_b.output.save()
+            got["b"] = first, out
+        except Exception as exc:  # (reported in the main thread)
+            got["b"] = exc
+        finally:
+            b_in.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        with model_a.trace(x):
+            out_a = model_a.output.save()
+            a_in.set()
+            b_in.wait(60)
+    finally:
+        a_done.set()
+        a_in.set()
+        thread.join(60)
+    assert isinstance(got["b"], tuple), got["b"]
+    assert torch.equal(out_a, ref) and torch.equal(got["b"][1], ref)
+    frames = _frames()
+    y = torch.randn(5, 2, 8)  # a new shape: the compiled call compiles it, as before the traces
+    assert torch.equal(a(y), _net()(y))
+    assert _frames() > frames
+
+
 def test_generate_with_a_cache_hf_compiles_for():
     """HF generate compiles the model's forward itself where the cache is compileable (static,
     hybrid) on an accelerator; a traced generate then had dynamo compile through the trace (43
