@@ -66,9 +66,10 @@ class LazyWeights:
         make = getattr(auto, "from_config", None) or auto._from_config
         with torch.device("meta"):
             module = make(config, **build)
-        # what the config was when built: the changes made to it before loading are carried
-        # over to the loaded model's config (dispatch)
-        self.__dict__["_config_built"] = _config_state(getattr(module, "config", None))
+        # what the config and generation config were when built: the changes made to them
+        # before loading are carried over to the loaded model's (dispatch)
+        self.__dict__["_config_built"] = {
+            name: _config_state(getattr(module, name, None)) for name in _CONFIGS}
         return module
 
     def _load(self) -> torch.nn.Module:
@@ -98,10 +99,11 @@ class LazyWeights:
                 _rebind(self, shared.dispatch()._module)
                 return self
             loaded = self._load()
-            built = self.__dict__.pop("_config_built", None)
-            if built is not None:
-                _carry_config(getattr(self._module, "config", None), built,
-                              getattr(loaded, "config", None))
+            built = self.__dict__.pop("_config_built", None) or {}
+            for name, state in built.items():
+                if state is not None:
+                    _carry_config(getattr(self._module, name, None), state,
+                                  getattr(loaded, name, None))
             _rebind(self, loaded)
         return self
 
@@ -131,6 +133,10 @@ _LOADS_FIRST = frozenset({
 })
 # (``set_attn_implementation`` and the like change the config only: carried over at loading)
 
+#: the model's attributes whose changes before loading are carried over to the loaded model
+#: (``model.config.use_cache = False``, ``model.generation_config.max_new_tokens = 8``)
+_CONFIGS = ("config", "generation_config")
+
 
 def _config_state(config) -> "dict | None":
     """A copy of an HF config's attributes (its sub-configs' too), to compare against later."""
@@ -144,9 +150,10 @@ def _config_state(config) -> "dict | None":
 
 
 def _carry_config(meta, built: dict, loaded) -> None:
-    """Set on ``loaded`` (the loaded model's config) the attributes of ``meta`` (the placeholder
-    model's config) changed since it was built (``built``): ``model.config.use_cache = False``
-    or ``model.set_attn_implementation("eager")`` before the first trace, which loading the
+    """Set on ``loaded`` (the loaded model's config or generation config) the attributes of
+    ``meta`` (the placeholder model's) changed since it was built (``built``):
+    ``model.config.use_cache = False``, ``model.set_attn_implementation("eager")`` or
+    ``model.generation_config.max_new_tokens = 8`` before the first trace, which loading the
     weights would otherwise drop, silently (nnsight 0.8.1 drops them)."""
     if meta is None or loaded is None:
         return

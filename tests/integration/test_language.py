@@ -234,6 +234,29 @@ class TestLoading:
         untouched = quiet(LanguageModel, model_dirs[arch]).dispatch()  # nothing changed: as saved
         assert not untouched._module.config.output_hidden_states
 
+    def test_generation_config_changes_before_loading_survive_it(self, model_dirs, arch):
+        """``model.generation_config.max_new_tokens = 3`` on a model still on meta changed the
+        placeholder's generation config only, and loading dropped it: generate ran to HF's
+        default length (20) instead of 3 new tokens. Changed attributes are carried over as
+        the config's are; plain HF with the same change is the ground truth."""
+        lm = quiet(LanguageModel, model_dirs[arch])
+        lm.generation_config.max_new_tokens = 3
+        lm.generation_config.do_sample = False
+        assert not lm.dispatched
+        with lm.generate("hello world") as tracer:
+            out = tracer.result.save()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dirs[arch])
+        hf.generation_config.max_new_tokens = 3
+        hf.generation_config.do_sample = False
+        ids = lm.tokenizer("hello world", return_tensors="pt")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = hf.generate(**ids, pad_token_id=lm.tokenizer.eos_token_id)
+        assert ref.shape[1] == ids["input_ids"].shape[1] + 3
+        assert torch.equal(out, ref)
+        untouched = quiet(LanguageModel, model_dirs[arch]).dispatch()  # nothing changed
+        assert untouched._module.generation_config.max_new_tokens is None
+
     def test_dispatch_true_loads_now(self, model_dirs, arch):
         lm = quiet(LanguageModel, model_dirs[arch], dispatch=True)
         assert lm.dispatched
