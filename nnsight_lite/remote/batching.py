@@ -153,7 +153,7 @@ def run_batched(model, requests: list, time_limit) -> list:
     stack = _saved_stack()
     stack.append(saved)
     try:
-        with Deadline(time_limit), serving():
+        with serving(), Deadline(time_limit):  # (the Deadline innermost: see execute.execute)
             tracer._run(Scope({}, glb, RUNTIME, wait_for_name))
     finally:
         stack.pop()

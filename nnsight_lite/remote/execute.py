@@ -83,8 +83,12 @@ def execute(request: dict, values: dict, *, time_limit: float | None = None, pol
         code, synthetic = compiled(source, filename)
         scope = {"__builtins__": builtins, "__name__": "__nnsight_remote__", **values}
         before = dict(scope)
-        with Deadline(time_limit), serving(), contextlib.redirect_stdout(out), \
-                contextlib.redirect_stderr(err):  # warnings, logging's last-resort handler
+        # (stderr: warnings, logging's last-resort handler. The Deadline innermost: a stop
+        # delivered as the block ends lands in its __exit__ or before it, never in another
+        # manager's __exit__, which would then not restore what it changed: sys.stderr left
+        # redirected to this request's buffer on the replica)
+        with serving(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                Deadline(time_limit):
             exec(code, scope)
         reply["saved"], reply["result"] = _collect(scope, before)
     except _Stopped as exc:

@@ -129,3 +129,40 @@ def test_a_trace_header_entering_python_after_a_time_limited_block_runs(seq):
         assert time.perf_counter() - start < 4
         torch.testing.assert_close(h, seq[1](seq[0](x)))
         torch.testing.assert_close(out, seq(x))
+
+
+@pytest.mark.parametrize("slow_exit", ["redirect_stderr", "redirect_stdout"])
+def test_a_time_limit_passing_while_a_request_leaves_its_block_restores_the_replica(slow_exit):
+    """The time limit passing while execute() leaves its with-statement: the stop was delivered
+    inside whichever __exit__ ran then (Deadline was the outermost manager, so its timer still
+    ran during the others' exits), which then never restored what it had changed: the replica
+    kept sys.stderr (or sys.stdout) redirected to a finished request's buffer. A profile function sleeping at that __exit__'s call stands for a slow exit.
+    Ground truth: the interpreter's streams (and the serving flag) as they were before."""
+    import sys
+    import threading
+
+    from nnsight_lite.remote import hook
+    from nnsight_lite.remote.execute import execute
+
+    streams = sys.stdout, sys.stderr
+    serving_before = getattr(hook._state, "serving", False)
+    slowed = threading.Event()
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_code.co_name != "__exit__" or slowed.is_set():
+            return
+        if type(frame.f_locals.get("self")).__name__ == slow_exit:
+            slowed.set()
+            time.sleep(0.5)  # past the request's time limit
+
+    sys.setprofile(profile)
+    try:
+        reply = execute({"source": "x = 1\n", "filename": "<request>"}, {}, time_limit=0.2)
+    finally:
+        sys.setprofile(None)
+        left = sys.stdout, sys.stderr, getattr(hook._state, "serving", False)
+        sys.stdout, sys.stderr = streams
+        hook._state.serving = serving_before
+    assert slowed.is_set()
+    assert left == (*streams, serving_before)
+    assert reply["error"] is None or reply["error"]["qualname"] == "RemoteTimeoutError"
