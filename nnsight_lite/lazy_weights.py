@@ -10,6 +10,7 @@ load at its first local use.
     _rebind(envoy, module)  point an Envoy, and the child Envoys it handed out, at a new tree
     _on_meta(module)        whether a module's parameters are on the meta device
     _CONFIG_KWARGS          ``LanguageModel(...)`` keywords that also apply to the config
+    _NOT_CONFIG             keywords for loading only, never set on the config
     _LOADS_FIRST            the module methods that load the weights first
 
 Apart from language.py because loading is a concern of its own (transformers' auto classes,
@@ -21,6 +22,7 @@ prompts or generate. It reads the model only through ``self`` (``_source``, ``_l
 from __future__ import annotations
 
 import copy
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +36,15 @@ if TYPE_CHECKING:
 _CONFIG_KWARGS = frozenset({
     "revision", "trust_remote_code", "cache_dir", "local_files_only", "token", "subfolder",
     "gguf_file", "code_revision",
+})
+
+
+#: Keyword arguments of ``LanguageModel(...)`` that are for loading only, never config
+#: attributes, even where the config has an attribute of that name (``dtype``).
+_NOT_CONFIG = frozenset({
+    "config", "dtype", "torch_dtype", "device", "device_map", "attn_implementation",
+    "quantization_config", "generation_config", "low_cpu_mem_usage", "max_memory",
+    "offload_folder", "use_safetensors", "variant", "key_mapping", "tp_plan", "state_dict",
 })
 
 
@@ -52,9 +63,19 @@ class LazyWeights:
         from transformers import AutoConfig
 
         kw = self._load_kwargs
-        config = AutoConfig.from_pretrained(
-            self._source, **{k: v for k, v in kw.items() if k in _CONFIG_KWARGS}
-        )
+        config = kw.get("config")
+        if config is None or isinstance(config, (str, os.PathLike)):
+            config = AutoConfig.from_pretrained(
+                self._source if config is None else config,
+                **{k: v for k, v in kw.items() if k in _CONFIG_KWARGS}
+            )
+        else:  # a config object, as from_pretrained(config=...) takes it
+            config = copy.deepcopy(config)
+        # keywords that name config attributes set them, as from_pretrained's do
+        # (LanguageModel(path, num_hidden_layers=2)): the tree must be the one that loads
+        for k, v in kw.items():
+            if k not in _NOT_CONFIG and k not in _CONFIG_KWARGS and hasattr(config, k):
+                setattr(config, k, v)
         build = {k: kw[k] for k in ("trust_remote_code", "attn_implementation") if k in kw}
         for key in ("dtype", "torch_dtype"):  # the name the user gave (transformers < 4.56:
             dtype = kw.get(key)                 # torch_dtype only)

@@ -234,6 +234,28 @@ class TestLoading:
         untouched = quiet(LanguageModel, model_dirs[arch]).dispatch()  # nothing changed: as saved
         assert not untouched._module.config.output_hidden_states
 
+    def test_a_config_given_at_construction_shapes_the_tree_before_loading(self, model_dirs,
+                                                                           arch):
+        """``LanguageModel(path, config=cfg)`` or a config keyword (``n_layer=1``), as
+        from_pretrained takes them: the tree on meta was built from the saved config instead
+        (3 blocks listed and indexable before loading, 1 after). Plain HF given the same is
+        the ground truth."""
+        cfg = transformers.AutoConfig.from_pretrained(model_dirs[arch])
+        name = "n_layer" if arch == "gpt2" else "num_hidden_layers"
+        setattr(cfg, name, 1)
+        ids = make_tokenizer()("hello world", return_tensors="pt")
+        hf = quiet(transformers.AutoModelForCausalLM.from_pretrained, model_dirs[arch], config=cfg)
+        with torch.no_grad():
+            want = hf(**ids).logits
+        for kw in ({"config": cfg}, {name: 1}):
+            lm = quiet(LanguageModel, model_dirs[arch], **kw)
+            assert len(layers(lm, arch)) == 1 and not lm.dispatched
+            with lm.trace("hello world"):
+                out = lm.output.logits.save()
+            assert len(layers(lm._module, arch)) == 1
+            torch.testing.assert_close(out, want)
+        assert getattr(cfg, name) == 1  # (the given config is not changed)
+
     def test_generation_config_changes_before_loading_survive_it(self, model_dirs, arch):
         """``model.generation_config.max_new_tokens = 3`` on a model still on meta changed the
         placeholder's generation config only, and loading dropped it: generate ran to HF's
