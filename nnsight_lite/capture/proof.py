@@ -37,6 +37,10 @@ def compiled_variants(tree, source: str, node: ast.With, filename: str, flags: i
     yield _compile([_function_around(node)], filename, flags, inner=True)
     if rewritten:
         yield _compile(rewrite_body(copy.deepcopy([node])), filename, flags)
+        # in its place in the body it runs in, compiled as body.py compiles it: 3.10 lays out
+        # a with-statement's exits differently when it ends the code (alone) or not
+        for outer in _withs_around(tree, node):
+            yield _in_body(outer, node, tree, filename, flags)
 
 
 def _compile(stmts, filename: str, flags: int, inner: bool = False):
@@ -78,16 +82,39 @@ def _in_place(tree, source: str, node: ast.With, filename: str, flags: int, tran
     if whole is False:
         return None
     scope = _enclosing_scope(tree, node)
-    if scope is None:
-        return whole
+    return whole if scope is None else _scope_code(whole, scope)
+
+
+def _scope_code(code: CodeType, scope):
+    """The code object compiled from the function or class statement ``scope``, in ``code``."""
     firsts = {scope.lineno, *(d.lineno for d in scope.decorator_list)}
-    stack = [whole]
+    stack = [code]
     while stack:
         c = stack.pop()
         if c.co_name == scope.name and c.co_firstlineno in firsts:
             return c
         stack.extend(k for k in c.co_consts if isinstance(k, CodeType))
     return None
+
+
+def _withs_around(tree, node):
+    """The with-statements whose body holds ``node``, innermost first."""
+    around = [n for n in ast.walk(tree) if isinstance(n, (ast.With, ast.AsyncWith))
+              and n is not node and any(child is node for s in n.body for child in ast.walk(s))]
+    return sorted(around, key=lambda n: n.lineno, reverse=True)
+
+
+def _in_body(outer, node, tree, filename: str, flags: int):
+    """The code object that holds ``node`` when ``outer``'s body is compiled as a body
+    (rewritten, as a module: body.py); None if it does not compile."""
+    try:
+        code = _compile(rewrite_body(copy.deepcopy(outer.body)), filename, flags)
+    except SyntaxError:
+        return None
+    scope = _enclosing_scope(tree, node)
+    if scope is None or scope.lineno < outer.lineno:  # at the body's own level
+        return code
+    return _scope_code(code, scope)
 
 
 def _pytest_rewrite(tree, source: str, filename: str):
