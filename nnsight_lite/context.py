@@ -29,7 +29,7 @@ from .capture import (
 from .envoy import _saved_stack, save_in_body
 from .errors import BodySyntaxError, NoSourceError
 from .mediator import wait_for_name
-from .tracebacks import clean, note_scope_limits
+from .tracebacks import clean, handled_as_is, note_scope_limits
 from .waits import StopTrace
 
 _PY311 = sys.version_info >= (3, 11)
@@ -69,7 +69,7 @@ class BodyContext:
         except BaseException as err:  # a block that cannot run: the user's `with` line only
             __tracebackhide__ = True  # noqa: F841  (pytest and IPython hide this frame)
             clean(err, SkipBody)  # no capture internals (source lookup, body compiling)
-            if _PY311:
+            if _PY311 or handled_as_is(err):
                 raise  # re-raised as it is: no frame of this function is added to it
             raise err
         # skip_body's tracers are set from here to the body's first line. (A method call here
@@ -126,9 +126,9 @@ class BodyContext:
             clean(err, SkipBody)  # the user's frames only (see tracebacks.py)
             if frame is not None:
                 note_scope_limits(err, frame)
-            if _PY311:
+            if _PY311 or handled_as_is(err):  # (3.10: see handled_as_is)
                 raise  # re-raised as it is: no frame of this function is added to it
-            raise err  # 3.10's bare raise would put the unfiltered traceback back
+            raise err
         finally:
             self._let_go()
         return True

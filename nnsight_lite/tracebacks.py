@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import sys
 import types
 
 import torch
@@ -74,6 +75,35 @@ def user_traceback(tb):
     for entry in reversed(kept):
         new = types.TracebackType(new, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
     return new
+
+
+_set_exc_info = None
+if sys.version_info < (3, 11):  # (3.11+ re-raises the exception with its own traceback)
+    try:
+        import ctypes
+
+        _obj = ctypes.py_object
+        _set_exc_info = ctypes.PYFUNCTYPE(None, _obj, _obj, _obj)(
+            ("PyErr_SetExcInfo", ctypes.pythonapi))
+        _incref = ctypes.PYFUNCTYPE(None, _obj)(("Py_IncRef", ctypes.pythonapi))
+    except (ImportError, AttributeError, OSError):  # no C API to call: a frame more shows
+        _set_exc_info = None
+
+
+def handled_as_is(exc: BaseException) -> bool:
+    """Python 3.10: make ``exc``, with the traceback it has now, the exception the caller's
+    ``except`` clause is handling, so that the clause's bare ``raise`` re-raises it without
+    adding the caller's frame. 3.10's bare ``raise`` takes the traceback saved when the clause
+    was entered (the unfiltered one), and ``raise exc`` adds the raising frame (an
+    nnsight_lite ``__exit__``/``__enter__`` line above the user's). False where this cannot
+    be done (no C API through ctypes): the caller writes ``raise exc``."""
+    if _set_exc_info is None:
+        return False
+    tb = exc.__traceback__
+    for obj in (type(exc), exc, tb):  # PyErr_SetExcInfo takes over one reference to each
+        _incref(obj)
+    _set_exc_info(type(exc), exc, tb)
+    return True
 
 
 def clean(exc: BaseException, skip_type) -> None:
