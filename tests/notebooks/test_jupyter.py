@@ -169,8 +169,9 @@ class Prober:
 class TestAutoreload:
     def test_functions_edited_under_autoreload_run_their_new_bodies(self, fresh_kernel, tmp_path):
         """With `%autoreload 2` (IPython 9 recompiles an edited function from its definition
-        alone), a function and a method of an object made before the edit run their edited
-        trace bodies, checked against a plain hook."""
+        alone; IPython 8, the last for Python 3.10, reloads the whole module), a function and a
+        method of an object made before the edit run their edited trace bodies, checked against
+        a plain hook."""
         k = fresh_kernel
         (tmp_path / "helpers_nb.py").write_text(AUTORELOADED)
         k.check(GROUND_TRUTH)
@@ -188,7 +189,8 @@ assert torch.equal(prober.read(x), plain(x)[0]['h'])
         later = os.stat(path).st_mtime + 5
         os.utime(path, (later, later))  # (autoreload compares modification times)
         k.check("""
-assert helpers_nb.probe.__code__.co_firstlineno == 1  # (recompiled from the def alone)
+import IPython  # IPython 9: recompiled from the def alone; 8: the module reloaded (line 2)
+assert helpers_nb.probe.__code__.co_firstlineno == (1 if IPython.version_info[0] >= 9 else 2)
 assert torch.equal(helpers_nb.probe(model, x), 2 * plain(x)[0]['h'])
 assert torch.equal(prober.read(x), 2 * plain(x)[0]['h'])
 """)
