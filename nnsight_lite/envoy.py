@@ -394,6 +394,7 @@ class Envoy(ModuleFirst, Containers):
         state = dict(self.__dict__)
         state.pop("_plan", None)  # per-process trace machinery (wrapper functions)
         state.pop("_parent", None)  # (a weak reference: set again by the parent's setstate)
+        state.pop("_source_view", None)  # (a weak reference: made again on first use)
         return state
 
     def __setstate__(self, state):

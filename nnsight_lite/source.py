@@ -255,10 +255,18 @@ class Source:
         d = self.__dict__
         d["_envoy"] = envoy
         d["_path"] = f"{envoy._path}.source"
-        d["_ops"] = {}
+        # (weakly: each OpEnvoy holds this view, so a strong table would be a reference cycle;
+        # an alias name still gives the very OpEnvoy its canonical name gave while it is held)
+        d["_ops"] = weakref.WeakValueDictionary()
 
     def _compiled(self) -> Compiled:
         return compiled(_module_function(self._envoy._module))
+
+    def __getstate__(self):  # (a remote body may hold a view: its table of ops is weak)
+        return {"_envoy": self._envoy, "_path": self._path}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _ops=weakref.WeakValueDictionary())
 
     def _enter(self) -> None:
         """Inside a body of a trace of this module's model: run its forward instrumented."""
@@ -466,10 +474,17 @@ class FunctionSource:
 
 
 def source_of(envoy) -> Source:
-    """``envoy.source``: made once per Envoy; inside a body it instruments the module's forward
-    for the running trace, so its operations are counted from the start."""
-    src = envoy.__dict__.get("_source_view")  # (LanguageModel's "_source" is its load path)
+    """``envoy.source``: one view per Envoy while it is held; inside a body it instruments the
+    module's forward for the running trace, so its operations are counted from the start.
+
+    The Envoy keeps its view weakly: the view holds the Envoy, so a strong reference back
+    would be a cycle that kept the module (and its weights) alive after the model was dropped,
+    until the garbage collector ran."""
+    d = envoy.__dict__
+    ref = d.get("_source_view")  # (LanguageModel's "_source" is its load path)
+    src = ref() if ref is not None else None
     if src is None:
-        src = envoy.__dict__["_source_view"] = Source(envoy)
+        src = Source(envoy)
+        d["_source_view"] = weakref.ref(src)
     src._enter()
     return src

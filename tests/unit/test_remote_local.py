@@ -166,3 +166,33 @@ def test_a_time_limit_passing_while_a_request_leaves_its_block_restores_the_repl
     assert slowed.is_set()
     assert left == (*streams, serving_before)
     assert reply["error"] is None or reply["error"]["qualname"] == "RemoteTimeoutError"
+
+
+def test_a_source_view_held_outside_the_block_ships(seq):
+    """A ``.source`` view (and one of its operations) bound before a remote block and used in
+    it ships with the block: the server reads and edits the op of its own model. (The view
+    keeps its operations weakly, which pickle cannot take: found by session 18's second
+    review, where a fix made them weak.)"""
+
+    class Act(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    torch.manual_seed(0)
+    net = Act()
+    model = NNsight(net)
+    x = torch.randn(3, 6)
+    src = model.source
+    relu = src.torch_relu_0
+    with model.trace(x, remote="local"):
+        h = src.self_lin_0.output.save()
+        r = relu.output.clone().save()
+        relu.output[:] = 1.0
+        out = model.output.save()
+    torch.testing.assert_close(h, net.lin(x))
+    torch.testing.assert_close(r, torch.relu(net.lin(x)))
+    torch.testing.assert_close(out, torch.ones(3, 6))

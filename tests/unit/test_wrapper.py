@@ -73,12 +73,53 @@ class TestFreed:
                     cache = tracer.cache()
                     model.layers[0].source.self_mlp_0.output[:] = 0
                     out = model.output.save()
-                refs += [weakref.ref(top), weakref.ref(model), weakref.ref(top.head.weight)]
+                refs += [weakref.ref(top), weakref.ref(model), weakref.ref(top.head.weight),
+                         weakref.ref(top.transformer.h[0]), weakref.ref(top.transformer.h[0].mlp)]
                 del top, model, tracer, cache, out
             alive = sum(r() is not None for r in refs)
         finally:
             gc.enable()
         assert alive == 0
+
+    @pytest.mark.parametrize("where", ["root", "child", "print"])
+    def test_a_module_whose_source_was_used_goes_without_the_collector(self, where):
+        """The module whose ``.source`` was used (in a body, or printed) goes with the model,
+        by reference counting: the Envoy kept its Source view and the view its Envoy, a cycle
+        that kept the module and its weights alive until the collector ran (a notebook
+        re-creating a LanguageModel whose attention's .source it read kept every old
+        attention). Found by session 18's second review."""
+        x = torch.randn(2, 4)
+        gc.disable()
+        try:
+            top = Top()
+            model = NNsight(top)
+            env = model if where == "root" else model.transformer.h[0]
+            if where == "print":
+                str(env.source)
+            else:
+                with model.trace(x):
+                    h = env.source.self_mlp_0.output.save() if where == "child" else \
+                        env.source.self_head_0.output.save()
+                    out = model.output.save()
+                del h, out
+            refs = [weakref.ref(top), weakref.ref(top.transformer.h[0]),
+                    weakref.ref(top.transformer.h[0].mlp.weight), weakref.ref(model)]
+            del top, model, env
+            alive = [r() is not None for r in refs]
+        finally:
+            gc.enable()
+        assert alive == [False] * 4
+
+    def test_a_held_source_view_keeps_its_names(self):
+        """A Source view held by the user (after its wrapper was dropped, too) still lists and
+        resolves its operations, and the same view comes back while it is held."""
+        top = Top()
+        model = NNsight(top)
+        src = model.transformer.h[0].source
+        assert model.transformer.h[0].source is src
+        assert src.self_mlp_0 is model.transformer.h[0].source.self_mlp_0
+        names = [op.name for op in NNsight(Top()).transformer.h[0].source]
+        assert names == src.names and "self_mlp_0" in names
 
     @pytest.mark.parametrize("inplace", [False, True])
     def test_edited_models_go_without_the_collector(self, inplace):
