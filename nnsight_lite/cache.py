@@ -128,9 +128,7 @@ def _called(module: torch.nn.Module, where: str) -> list:
     """``module``, or where it is a container that is never called itself (a ModuleList,
     ModuleDict, a plain Module with no forward) the modules it holds, containers opened in
     turn: ``modules=[model.layers]`` caches every layer, as a researcher means it."""
-    if type(module).forward is not torch.nn.Module.forward:
-        return [module]
-    held = [m for child in module.children() for m in _called(child, where)]
+    held = _held(module)
     if not held:
         raise ModulePathError(
             f"tracer.cache(modules=...): {where} is a {type(module).__name__} with no forward "
@@ -138,6 +136,15 @@ def _called(module: torch.nn.Module, where: str) -> list:
             f"{user_location()}). Cache the module whose code uses its parameters instead"
         )
     return held
+
+
+def _held(module: torch.nn.Module) -> list:
+    """``module`` where it has a forward, else the modules with one that it holds (an empty
+    container or a parameter-only module inside another holds none: it is passed over, the
+    others are still cached)."""
+    if type(module).forward is not torch.nn.Module.forward:
+        return [module]
+    return [m for child in module.children() for m in _held(child)]
 
 
 def _by_path(named: dict, path: str, model: Envoy) -> torch.nn.Module:

@@ -169,6 +169,34 @@ class TestRecords:
         assert list(cache.keys()) == ["model.groups.a.0", "model.groups.b.0", "model.groups.b.1"]
         torch.testing.assert_close(cache["model.groups.b.1"].output, grouped(x))
 
+    def test_an_empty_container_inside_a_container_is_passed_over(self):
+        """A container holding, beside its layers, an empty ModuleList or a module with
+        parameters only (nothing there is ever called) caches its layers: found by session
+        18's second review, it raised ModulePathError naming the outer container as empty."""
+        class Grouped(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                gain = torch.nn.Module()
+                gain.weight = torch.nn.Parameter(torch.ones(4))
+                self.groups = torch.nn.ModuleDict({
+                    "a": torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]),
+                    "extra": torch.nn.ModuleList(), "gain": gain})
+
+            def forward(self, x):
+                for layer in self.groups["a"]:
+                    x = layer(x)
+                return x * self.groups["gain"].weight
+
+        grouped = Grouped()
+        model = NNsight(grouped)
+        x = torch.randn(2, 4)
+        with model.trace(x) as tracer:
+            cache = tracer.cache(modules=[model.groups])
+        assert list(cache.keys()) == ["model.groups.a.0", "model.groups.a.1"]
+        seen, _ = record(grouped, ["groups.a.0", "groups.a.1"], x)
+        torch.testing.assert_close(cache["model.groups.a.1"].output, seen[("groups.a.1", 0)])
+
     def test_stop_ends_the_record(self, seq):
         """After tracer.stop() the modules that did not run are not in the cache."""
         model = NNsight(seq)
