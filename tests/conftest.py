@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, settings
 
 import nnsight_lite  # noqa: F401  (patches Tensor.save / Tensor.backward once)
 from nnsight_lite.calls import traced_slot
+from nnsight_lite.capture.skip import _pending as _skips_pending
 from nnsight_lite.install import _traced
 from tests.helpers import suspended_bodies
 
@@ -37,6 +38,8 @@ def _leftovers():
             if d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks"):
                 bad.append(f"hook left on {type(m).__name__}")
     bad.extend(suspended_bodies())
+    if _skips_pending:  # (Python 3.12+: a with-body's skip still armed on a code object)
+        bad.append(f"body skips left armed on {[c.co_name for c in _skips_pending]}")
     return bad
 
 

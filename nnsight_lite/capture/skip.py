@@ -2,14 +2,18 @@
 
     skip_line(node, ...)    the line on which the body can be skipped (or why it cannot)
     skip_body(frame, sk)    arrange for the frame to jump over that body (returns a restore token)
-    restore_tracing(tok)    undo skip_body's tracing changes
+    restore_tracing(tok)    undo skip_body's changes (a skip never reached is dropped)
     skip_inline(ctx)        the same for a context entered inside a compiled body (a flag)
     body_runs_inline()      ``INLINE_NAME()``: the check those compiled with-blocks make
 
-In user code: ``__enter__`` sets a line-trace function on the caller's frame that raises
-``SkipBody`` on the first line of the body; the context manager's ``__exit__`` receives it, runs
-the compiled body in its place and suppresses it. Any tracer that was active before (a debugger,
-coverage) is put back in ``__exit__``. Inside compiled bodies every with-block is guarded by
+In user code: ``__enter__`` arranges for ``SkipBody`` to be raised on the first line of the
+body; the context manager's ``__exit__`` receives it, runs the compiled body in its place and
+suppresses it. On Python 3.12+ that is a ``sys.monitoring`` LINE event on the caller's code object
+alone (our own tool id); before 3.12, and where no tool id is free, a line-trace function on the
+caller's frame, with any tracer that was active before (a debugger, coverage) put back in
+``__exit__``. (On 3.12+ ``sys.settrace`` is built on ``sys.monitoring`` too, and turning it on and
+off re-instruments every code object on the stack and every one run after it: ~16 µs a trace,
+a third of a small trace's whole cost.) Inside compiled bodies every with-block is guarded by
 ``if INLINE_NAME():`` (see rewrite.py), which a context entered there turns off for its block.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from threading import Lock
 from types import FrameType
 
 
@@ -87,9 +92,74 @@ class Skipper:
         return self
 
 
+# ---- Python 3.12+: a LINE event on the caller's code object alone (sys.monitoring)
+
+_MON = getattr(sys, "monitoring", None)
+_TOOL_NAME = "nnsight_lite"
+#: the sys.monitoring tool id the skips use: None until the first skip claims one, False where
+#: this Python has no sys.monitoring or every id we may take is another tool's (line tracer then)
+_tool = None if _MON is not None else False
+#: code object -> {frame: the body's first line} for the with-statements in that code waiting
+#: to skip their body (a code object's LINE events reach every frame running it: the recursion
+#: of a function, other threads)
+_pending: dict = {}
+_MONITORED = object()  # the first item of a skip_body token on the sys.monitoring path
+_LINE = _MON.events.LINE if _MON is not None else 0
+
+
+_lock = Lock()  # (arming and dropping, across threads: no Python line runs while it is held)
+
+
+def _on_line(code, line):
+    """The LINE callback: ``SkipBody`` where the frame is at the body it waits for."""
+    waiting = _pending.get(code)
+    if waiting:
+        frame = sys._getframe(1)  # (the frame the event is for)
+        body_line = waiting.get(frame)
+        if body_line is not None and line >= body_line:
+            _drop(code, frame)
+            raise SkipBody
+    # (returns None: sys.monitoring.DISABLE would turn this line's event off for every frame)
+
+
+def _claim_tool():
+    """A tool id of our own (4, else 3: the ids no convention assigns), with the callback;
+    False where both are another tool's."""
+    for tid in (4, 3):
+        name = _MON.get_tool(tid)
+        if name is None:
+            _MON.use_tool_id(tid, _TOOL_NAME)
+        elif name != _TOOL_NAME:  # (ours already after importlib.reload)
+            continue
+        _MON.register_callback(tid, _MON.events.LINE, _on_line)
+        return tid
+    return False
+
+
+def _drop(code, frame) -> None:
+    with _lock:
+        waiting = _pending.get(code)
+        if waiting is not None and waiting.pop(frame, None) is not None and not waiting:
+            del _pending[code]
+            _MON.set_local_events(_tool, code, 0)
+
+
 def skip_body(frame: FrameType, skipper: Skipper):
     """Make ``frame`` raise ``SkipBody`` when it reaches the body ``skipper`` belongs to.
     Returns what ``restore_tracing`` needs."""
+    global _tool
+    if _tool is not False and (_tool is None or _MON.get_tool(_tool) != _TOOL_NAME):
+        _tool = _claim_tool()  # (the first skip; or another tool freed and took our id)
+    if _tool is not False:
+        code = frame.f_code
+        with _lock:
+            waiting = _pending.get(code)
+            if waiting is None:
+                _pending[code] = {frame: skipper.body_line}
+                _MON.set_local_events(_tool, code, _LINE)
+            else:
+                waiting[frame] = skipper.body_line
+        return (_MONITORED, frame, code)
     token = (sys.gettrace(), frame, frame.f_trace)
     frame.f_trace = skipper
     sys.settrace(token[0] or _no_global_trace)
@@ -125,7 +195,11 @@ def body_runs_inline() -> bool:
 
 
 def restore_tracing(token) -> None:
+    """Undo ``skip_body`` (a skip still waiting, where the body was never reached, is dropped)."""
     prev_global, frame, prev_local = token
+    if prev_global is _MONITORED:
+        _drop(prev_local, frame)
+        return
     sys.settrace(prev_global)
     frame.f_trace = prev_local
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import linecache
 import re
+import sys
 import runpy
 import textwrap
 
@@ -495,3 +496,48 @@ class TestBodiesStartingWithTry:
                 log.append("finally")
         assert log == ["finally"]
         torch.testing.assert_close(out, expected(seq, x, 3))
+
+
+class TestSkippingTheBody:
+    """The body of a with-statement in user code is skipped from ``__enter__`` to its first
+    line (a line tracer before Python 3.12, a sys.monitoring LINE event on the caller's code
+    object from 3.12 on): only the frame that entered skips, and nothing stays armed."""
+
+    def test_another_frame_of_the_same_function_runs_its_own_lines(self, model, seq):
+        """Between ``__enter__`` and the body (here: the ``as`` target's index) the same
+        function runs in a second frame, with a trace of its own and lines past the body's
+        first line; each frame skips its own body once and runs the rest as written."""
+        x = torch.randn(2, 6)
+        log = []
+        saved = {}
+
+        def f(depth):
+            holder = {}
+            with model.trace(x) as holder[f(depth - 1) if depth else 0]:
+                log.append(("body", depth))
+                saved[depth] = model[depth].output.save()
+            log.append(("after", depth))
+            return depth + 1
+
+        assert f(1) == 2
+        assert log == [("body", 0), ("after", 0), ("body", 1), ("after", 1)]
+        torch.testing.assert_close(saved[0], expected(seq, x, 0))
+        torch.testing.assert_close(saved[1], expected(seq, x, 1))
+
+    @pytest.mark.skipif(sys.version_info < (3, 12),
+                        reason="before Python 3.12 the skip is a line tracer (sys.settrace)")
+    def test_no_global_trace_function_on_312(self, model, seq):
+        """On 3.12+ turning ``sys.settrace`` on and off re-instruments every code object on
+        the stack and each one run after it (~16 µs a trace); the skip sets no tracer."""
+        x = torch.randn(2, 6)
+        seen = []
+
+        def probe():
+            seen.append(sys.gettrace())
+            return 0
+
+        holder = {}
+        with model.trace(x) as holder[probe()]:
+            out = model[1].output.save()
+        assert seen == [None]
+        torch.testing.assert_close(out, expected(seq, x, 1))
