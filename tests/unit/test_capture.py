@@ -16,6 +16,10 @@ from nnsight_lite import NNsight, SourceUnavailableError
 from nnsight_lite.errors import BodySyntaxError
 
 
+_GLOBAL_OFFSET = -100.0  # (shadowed by a local in test_function_names_of_every_kind)
+_GLOBAL_SHIFTS = (1.0, 2.0)
+
+
 @pytest.fixture
 def model(seq):
     return NNsight(seq)
@@ -57,6 +61,30 @@ class TestPlacesABodyCanSit:
             return inner()
 
         torch.testing.assert_close(outer(), expected(seq, x, 0) * 3.0)
+
+    def test_function_names_of_every_kind(self, model, seq):
+        """A body in a function reads its locals (one shadowing a module global), a cell it
+        shares with a nested function, a free variable, module globals and builtins, and
+        each resolves as the function's own code would resolve it (3.13+ asks the frame's
+        FrameLocalsProxy for the function's variables only)."""
+        x = torch.randn(2, 6)
+        scale = 2.0
+
+        def f():
+            expected_fn = lambda: len(_GLOBAL_SHIFTS)  # noqa: E731  (makes `expected_fn` a local)
+            _GLOBAL_OFFSET = 10.0  # a local shadowing the module global of that name
+            shared = 0.5  # a cell: the nested function reads it
+
+            def nested():
+                return shared
+
+            with model.trace(x):
+                h = (model[0].output * scale + _GLOBAL_OFFSET + nested()
+                     + sum(_GLOBAL_SHIFTS) + expected_fn()).save()
+            return h
+
+        want = expected(seq, x, 0) * 2.0 + 10.0 + 0.5 + sum(_GLOBAL_SHIFTS) + len(_GLOBAL_SHIFTS)
+        torch.testing.assert_close(f(), want)
 
     def test_method(self, model, seq):
         x = torch.randn(2, 6)
