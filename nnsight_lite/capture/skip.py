@@ -9,9 +9,9 @@
 In user code: ``__enter__`` arranges for ``SkipBody`` to be raised on the first line of the
 body; the context manager's ``__exit__`` receives it, runs the compiled body in its place and
 suppresses it. On Python 3.12+ that is a ``sys.monitoring`` LINE event on the caller's code object
-alone (our own tool id); before 3.12, and where no tool id is free, a line-trace function on the
-caller's frame, with any tracer that was active before (a debugger, coverage) put back in
-``__exit__``. (On 3.12+ ``sys.settrace`` is built on ``sys.monitoring`` too, and turning it on and
+alone (our own tool id); before 3.12, where no tool id is free, and while a line tracer is set
+(``sys.settrace``: pdb, coverage's tracer), a line-trace function on the caller's frame, with
+the tracer that was active before put back in ``__exit__``. (On 3.12+ ``sys.settrace`` is built on ``sys.monitoring`` too, and turning it on and
 off re-instruments every code object on the stack and every one run after it: ~16 µs a trace,
 a third of a small trace's whole cost.) Inside compiled bodies every with-block is guarded by
 ``if INLINE_NAME():`` (see rewrite.py), which a context entered there turns off for its block.
@@ -148,18 +148,23 @@ def skip_body(frame: FrameType, skipper: Skipper):
     """Make ``frame`` raise ``SkipBody`` when it reaches the body ``skipper`` belongs to.
     Returns what ``restore_tracing`` needs."""
     global _tool
-    if _tool is not False and (_tool is None or _MON.get_tool(_tool) != _TOOL_NAME):
-        _tool = _claim_tool()  # (the first skip; or another tool freed and took our id)
-    if _tool is not False:
-        code = frame.f_code
-        with _lock:
-            waiting = _pending.get(code)
-            if waiting is None:
-                _pending[code] = {frame: skipper.body_line}
-                _MON.set_local_events(_tool, code, _LINE)
-            else:
-                waiting[frame] = skipper.body_line
-        return (_MONITORED, frame, code)
+    # (with a line tracer set, a debugger's or coverage's, the line tracer below: the tracer
+    # would see the body's first line before the LINE event skips it, as ``sys.settrace``'s
+    # events come before every tool's; sys.monitoring tools see ours first, from the highest id
+    # down, so a debugger on id 0 or coverage on 1 never sees the skipped line)
+    if _tool is not False and sys.gettrace() is None:
+        if _tool is None or _MON.get_tool(_tool) != _TOOL_NAME:
+            _tool = _claim_tool()  # (the first skip; or another tool freed and took our id)
+        if _tool is not False:
+            code = frame.f_code
+            with _lock:
+                waiting = _pending.get(code)
+                if waiting is None:
+                    _pending[code] = {frame: skipper.body_line}
+                    _MON.set_local_events(_tool, code, _LINE)
+                else:
+                    waiting[frame] = skipper.body_line
+            return (_MONITORED, frame, code)
     token = (sys.gettrace(), frame, frame.f_trace)
     frame.f_trace = skipper
     sys.settrace(token[0] or _no_global_trace)

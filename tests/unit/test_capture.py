@@ -552,6 +552,35 @@ class TestSkippingTheBody:
         torch.testing.assert_close(saved[0], expected(seq, x, 0))
         torch.testing.assert_close(saved[1], expected(seq, x, 1))
 
+    def test_a_line_tracer_set_meanwhile_does_not_see_the_body_run_in_place(self, model, seq):
+        """A debugger's line tracer (``sys.settrace``, as pdb's) sees the with line and the
+        lines after the block in the function's own code, never the body's lines there (the
+        body runs later, compiled from its source), and is the tracer set after the block."""
+        x = torch.randn(2, 6)
+        lines = []
+
+        def f():
+            with model.trace(x):
+                out = model[2].output.save()
+            return out
+
+        code = f.__code__
+        with_line = code.co_firstlineno + 1
+
+        def tracer(frame, event, arg):
+            if frame.f_code is code and event == "line":
+                lines.append(frame.f_lineno - with_line)
+            return tracer
+
+        previous = sys.gettrace()
+        sys.settrace(tracer)
+        try:
+            out = f()
+        finally:
+            sys.settrace(previous)
+        assert 1 not in lines and lines[0] == 0 and 2 in lines, lines
+        torch.testing.assert_close(out, expected(seq, x, 2))
+
     @pytest.mark.skipif(sys.version_info < (3, 12),
                         reason="before Python 3.12 the skip is a line tracer (sys.settrace)")
     def test_no_global_trace_function_on_312(self, model, seq):
