@@ -38,7 +38,7 @@ class Compiled:
     op is in the source (``spans``: first and last line, file numbering)."""
 
     __slots__ = ("code", "names", "spans", "lines", "first", "filename", "qualname", "index",
-                 "aliases", "assigned")
+                 "aliases", "assigned", "__weakref__")
 
     def __init__(self, code, names, spans, lines, first, filename, qualname, aliases=None,
                  assigned=None):
@@ -156,16 +156,52 @@ def _callee(node) -> str:
     return ""
 
 
-_cache: "weakref.WeakKeyDictionary[types.CodeType, Compiled]" = weakref.WeakKeyDictionary()
+#: id(code object) -> (weak reference to it, its Compiled): a function's code gives its Compiled
+#: (held while that code lives), the instrumented code the same Compiled (held weakly: the
+#: Compiled holds that code, so a strong entry would keep both for good). Keyed by identity:
+#: code objects compare equal without their file, so a class a notebook cell defines again
+#: (or the same class in two files) would find, and replace, another code object's entry.
+_cache: "dict[int, tuple]" = {}
+
+
+def _forget(ref: weakref.ref, _cache=_cache) -> None:
+    """Drop the entry of a code object that is gone (a weak reference's callback)."""
+    key = ref.key
+    entry = _cache.get(key)
+    if entry is not None and entry[0] is ref:
+        del _cache[key]
+
+
+class _CodeRef(weakref.ref):
+    __slots__ = ("key",)
+
+
+def _remember(code: types.CodeType, comp, weak: bool = False) -> None:
+    ref = _CodeRef(code, _forget)
+    ref.key = id(code)
+    _cache[ref.key] = (ref, weakref.ref(comp) if weak else comp)
+
+
+def _cached(code: types.CodeType) -> "Compiled | None":
+    entry = _cache.get(id(code))
+    if entry is None or entry[0]() is not code:
+        return None
+    comp = entry[1]
+    return comp() if isinstance(comp, weakref.ref) else comp
 
 
 def compiled(func: types.FunctionType) -> Compiled:
     """The instrumented code of ``func`` (cached per code object). Raises
     SourceUnavailableError where the source cannot be found or does not match."""
     code = func.__code__
-    hit = _cache.get(code)
+    hit = _cached(code)
     if hit is not None:
         return hit
+    if HELPER in code.co_freevars:  # (its Compiled is held while its original code lives)
+        raise SourceUnavailableError(
+            f"{func.__qualname__} is an instrumented forward whose original function is gone; "
+            "its operations cannot be listed again"
+        )
     try:
         lines, first = inspect.getsourcelines(code)
     except (OSError, TypeError) as exc:
@@ -204,8 +240,8 @@ def compiled(func: types.FunctionType) -> Compiled:
         )
     result = Compiled(inner, tuple(rw.names), tuple(rw.spans), lines, first,
                       code.co_filename, func.__qualname__, rw.aliases, assigned_08)
-    _cache[code] = result
-    _cache[inner] = result  # the instrumented function lists the same operations
+    _remember(code, result)
+    _remember(inner, result, weak=True)  # the instrumented function lists the same operations
     return result
 
 

@@ -5,7 +5,9 @@ asks about run untouched. Ground truth is plain computation on the same weights.
 from __future__ import annotations
 
 import functools
+import gc
 import sys
+import weakref
 
 import pytest
 import torch
@@ -587,3 +589,92 @@ class TestAccelerateHooks:
         edited[:, 0] = 0
         torch.testing.assert_close(out, net[2](edited))
         assert model_.__dict__["forward"] is forward and model_.__dict__["_old_forward"] is old
+
+
+_CELL = '''
+import torch
+
+class Cell(torch.nn.Module):
+    TABLE = torch.zeros(100_000)  # a class attribute (400 kB)
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.mlp(x)
+        return torch.relu(h) + x
+'''
+
+
+def _define_cell_class(filename):
+    """The class of ``_CELL``, defined anew (a new code object each time) under ``filename``,
+    whose source is registered in linecache: a notebook cell run again."""
+    import linecache
+
+    linecache.cache[filename] = (len(_CELL), None, _CELL.splitlines(True), filename)
+    scope = {"__name__": "__cell__"}
+    exec(compile(_CELL, filename, "exec"), scope)
+    return scope["Cell"]
+
+
+def _zeroed_mlp(module, x):
+    """Cell's forward with mlp's output zeroed, written out by hand."""
+    return torch.relu(torch.zeros_like(module.mlp(x))) + x
+
+
+class TestRedefinedClasses:
+    """A notebook runs a cell that defines a class again: a new class whose forward's code is a
+    new code object, equal (==) to the old one, since code objects compare without their file.
+    The instrumented forwards are cached per code object."""
+
+    def test_source_of_a_class_defined_again_after_the_old_one_was_freed(self):
+        """Tracing ``.source`` of the new class worked only while the old class lived: once it
+        was freed, the cache entry of the instrumented code (kept alive by its own value) was
+        taken over by the new class's, then dropped with the old code, and the next lookup
+        compiled the instrumented forward itself (SyntaxError: duplicate argument
+        '__nnsight_op__'; a cell re-run a third time in IPython)."""
+        filename = "<nnsight-lite-test-cell-again>"
+        x = torch.randn(2, 6)
+        try:
+            for _ in range(3):
+                cls = _define_cell_class(filename)
+                module = cls()
+                model = NNsight(module)
+                with model.trace(x):
+                    model.source.self_mlp_0.output[:] = 0
+                    out = model.output.save()
+                torch.testing.assert_close(out, _zeroed_mlp(module, x))
+                del cls, module, model
+                gc.collect()
+        finally:
+            import linecache
+
+            linecache.cache.pop(filename, None)
+
+    def test_a_dropped_class_leaves_no_instrumented_code(self):
+        """Once a class whose ``.source`` was traced is dropped, its instrumented code goes
+        too: it stayed in the cache, whose entry for the instrumented code kept that code
+        alive by its own value (the record of the operations holds the code), one entry per
+        class a notebook defines again. Nothing of the class itself is held."""
+        from nnsight_lite.instrument import compiled
+
+        filename = "<nnsight-lite-test-cell-dropped>"
+        x = torch.randn(2, 6)
+        try:
+            cls = _define_cell_class(filename)
+            model = NNsight(cls())
+            with model.trace(x):
+                model.source.self_mlp_0.output[:] = 0
+                out = model.output.save()
+            comp = compiled(cls.forward)
+            assert comp.names == ("self_mlp_0", "torch_relu_0")
+            refs = [weakref.ref(comp.code), weakref.ref(cls), weakref.ref(cls.TABLE),
+                    weakref.ref(cls.forward.__code__)]
+            del cls, model, out, comp
+            gc.collect()
+            assert [r() for r in refs] == [None] * len(refs)
+        finally:
+            import linecache
+
+            linecache.cache.pop(filename, None)
