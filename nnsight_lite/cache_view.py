@@ -93,14 +93,26 @@ class Entry:
     called more than once, generation steps) it is a list with one value per visit.
     """
 
-    __slots__ = ("_module", "_outputs", "_inputs", "_view", "_name")
+    __slots__ = ("_module_ref", "_kind", "_outputs", "_inputs", "_view", "_name")
 
     def __init__(self, module):
         self._module = module
+        self._kind = type(module).__name__
         self._outputs = []
         self._inputs = []
         self._view = None  # a weak reference to the view that last gave it out, and its
         self._name = None  # path there: set by CacheView.__getitem__
+
+    @property
+    def _module(self):
+        """The module recorded, while it lives (held weakly: a kept entry keeps the values it
+        recorded, not the model), else None."""
+        ref = self._module_ref
+        return ref() if ref is not None else None
+
+    @_module.setter
+    def _module(self, module):
+        self._module_ref = weakref.ref(module) if module is not None else None
 
     # ---- the module's subtree (nnsight's cache[key] is a view of it)
 
@@ -164,13 +176,14 @@ class Entry:
         return max(len(self._outputs), len(self._inputs))
 
     def __repr__(self) -> str:
-        return f"<cache entry: {type(self._module).__name__}, {len(self)} visit(s)>"
+        return f"<cache entry: {self._kind}, {len(self)} visit(s)>"
 
     def __getstate__(self):
         return {"_outputs": self._outputs, "_inputs": self._inputs}
 
     def __setstate__(self, state):
         self._module = None
+        self._kind = "NoneType"  # (as before: a loaded entry does not know its module)
         self._outputs = state["_outputs"]
         self._inputs = state["_inputs"]
         self._view = self._name = None
@@ -209,13 +222,25 @@ class CacheView(Mapping):
         list(cache.keys())                              # ["model.layer1", ..., "model"]
 
     Navigation goes through the model's Envoys, so whatever name reaches a module on the model
-    reaches its entry here. It needs the model: a view loaded from a pickle answers by path only.
+    reaches its entry here. It needs the model, which the view holds weakly (a kept cache keeps
+    the values, not the model): once the model is dropped, or in a view loaded from a pickle,
+    it answers by path only.
     """
 
     def __init__(self, model: Envoy | None):
         self._root = model
         self._records: dict[str, Entry] = {}  # named_modules() path -> Entry
         self._include_inputs = False
+
+    @property
+    def _root(self) -> "Envoy | None":
+        """The model's Envoy while it lives (held weakly), else None."""
+        ref = self._root_ref
+        return ref() if ref is not None else None
+
+    @_root.setter
+    def _root(self, model: "Envoy | None") -> None:  # (`view._root = model` re-attaches one)
+        self._root_ref = weakref.ref(model) if model is not None else None
 
     # ---- mapping by path
 
@@ -271,12 +296,15 @@ class CacheView(Mapping):
         return _Node(self, self._need_root(), None).__getattr__(name, from_root=True)
 
     def _need_root(self) -> Envoy:
-        if self._root is None:
+        root = self._root
+        if root is None:
+            why = ("was loaded without its model" if self._root_ref is None else
+                   "outlived its model (the model is gone: a cache holds it weakly)")
             raise AttributeError(
-                "this cache was loaded without its model, so attribute navigation cannot work; "
+                f"this cache {why}, so attribute navigation cannot work; "
                 "index it by path (cache[\"model.layer1\"]) or set cache._root = model"
             )
-        return self._root
+        return root
 
     def _entry_for(self, envoy: Envoy) -> Entry:
         module = envoy._module
@@ -284,7 +312,8 @@ class CacheView(Mapping):
             if entry._module is module:
                 return self._give(name)
         # a view loaded from a pickle knows its entries by path only
-        for name, mod in self._root._module.named_modules():
+        root = self._root
+        for name, mod in root._module.named_modules() if root is not None else ():
             if mod is module:
                 entry = self._records.get(name)
                 if entry is not None and entry._module is None:

@@ -283,3 +283,44 @@ def test_pooled_workers_let_go_of_the_callers_context_variables(seq):
     del held
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("kept", ["view", "entry"])
+def test_a_kept_cache_does_not_keep_the_model(kept):
+    """A cache view (or one of its entries) kept after the user drops the model holds the
+    recorded values, not the model: as a dict of values recorded with plain forward hooks
+    would, the model and its weights go, by reference counting (a notebook keeps ``cache``
+    bound while the model is re-created, so every old model stayed alive, weights on the GPU
+    too, until the cache cell ran again). The view still answers by path; navigation by
+    attribute needs the model, and says that it is gone."""
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    x = torch.randn(2, 6)
+    seen = {}
+    handles = [m.register_forward_hook(lambda m, i, o, n=n: seen.__setitem__(n, o.detach()))
+               for n, m in net.named_children()]
+    want = net(x).detach()  # (its graph would hold the weights)
+    for h in handles:
+        h.remove()
+    model = NNsight(net)
+    with model.trace(x) as tracer:
+        cache = tracer.cache()
+    assert torch.equal(cache.output, want)  # navigation while the model lives
+    assert repr(cache["model.1"]) == "<cache entry: ReLU, 1 visit(s)>"
+    held = cache if kept == "view" else cache["model.2"]
+    refs = [weakref.ref(net), weakref.ref(net[0].weight), weakref.ref(net[2].weight),
+            weakref.ref(model)]
+    gc.disable()
+    try:
+        del model, net, tracer, cache
+        alive = [r() is not None for r in refs]
+    finally:
+        gc.enable()
+    assert alive == [False] * 4
+    if kept == "view":
+        for name, value in seen.items():
+            assert torch.equal(held[f"model.{name}"].output, value)
+        assert repr(held["model.1"]) == "<cache entry: ReLU, 1 visit(s)>"
+        with pytest.raises(AttributeError, match="model is gone"):
+            held.output
+    else:
+        assert torch.equal(held.output, seen["2"])
