@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import weakref
 from collections import OrderedDict
 from types import CodeType, FrameType
 
@@ -41,7 +42,21 @@ class Body:
         self.skip_error: "str | None" = None  # why the line tracer cannot skip it (see skip_line)
 
 
+#: (id(code), offset of the with) -> (weak reference to that code, its Body). The code is held
+#: weakly: once it is gone (a notebook cell that ran, a function defined again) no frame can
+#: run it again, and its entries go with it.
 _bodies: OrderedDict = OrderedDict()
+
+
+class _CodeRef(weakref.ref):
+    __slots__ = ("key",)
+
+
+def _forget(ref: _CodeRef, _bodies=_bodies) -> None:
+    """Drop the entry of a code object that is gone (a weak reference's callback)."""
+    entry = _bodies.get(ref.key)
+    if entry is not None and entry[0] is ref:
+        del _bodies[ref.key]
 
 
 def find_body(frame: FrameType, what: str = "trace") -> Body:
@@ -53,10 +68,12 @@ def find_body(frame: FrameType, what: str = "trace") -> Body:
     # Keyed by identity: equal code objects from different files or cells compare equal.
     key = (id(code), frame.f_lasti)
     hit = _bodies.get(key)
-    if hit is not None and hit[0] is code:
+    if hit is not None and hit[0]() is code:
         return hit[1]
     body = _compile_body(frame, what)
-    _bodies[key] = (code, body)
+    ref = _CodeRef(code, _forget)
+    ref.key = key
+    _bodies[key] = (ref, body)
     if len(_bodies) > _CACHE_SIZE:
         _bodies.popitem(last=False)
     return body

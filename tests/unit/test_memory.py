@@ -324,3 +324,41 @@ def test_a_kept_cache_does_not_keep_the_model(kept):
             held.output
     else:
         assert torch.equal(held.output, seen["2"])
+
+
+def test_code_that_ran_traces_is_not_kept(seq):
+    """The compiled bodies of with-statements are cached per code object (a cell's, a
+    function's); once that code is gone (a notebook cell that ran, a function defined again)
+    its cache entries go too, as plain code that ran is not kept. The cache held the last
+    1024 code objects it saw, with their compiled bodies (some kB each in a notebook)."""
+    import linecache
+
+    src = ("with model.trace(x):\n"
+           "    out = model.output.save()\n"
+           "def f():\n"
+           "    with model.trace() as tracer:\n"
+           "        with tracer.invoke(x):\n"
+           "            o = model.output.save()\n"
+           "    return o\n"
+           "out2 = f()\n")
+    filename = "<nnsight-lite-test-cell-code>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    try:
+        x = torch.randn(2, 6)
+        want = seq(x)
+        for _ in range(2):  # (a second run finds its bodies cached, as a loop would)
+            code = compile(src, filename, "exec")
+            scope = {"model": NNsight(seq), "x": x}
+            exec(code, scope)
+            assert torch.equal(scope["out"], want) and torch.equal(scope["out2"], want)
+            refs = [weakref.ref(code), weakref.ref(scope["f"].__code__)]
+            gc.disable()
+            try:
+                scope.clear()  # (f and its globals are a cycle of plain Python's own)
+                del code, scope
+                alive = [r() is not None for r in refs]
+            finally:
+                gc.enable()
+            assert alive == [False, False]
+    finally:
+        linecache.cache.pop(filename, None)
