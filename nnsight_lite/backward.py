@@ -25,6 +25,7 @@ import dis
 import functools
 import sys
 import warnings
+import weakref
 from collections import OrderedDict
 
 import greenlet
@@ -59,7 +60,20 @@ _set_multithreading = torch._C._set_multithreading_enabled
 _CALLS = frozenset({"CALL", "CALL_KW", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW",
                     "CALL_FUNCTION_EX", "PRECALL"})
 _WITH = frozenset({"BEFORE_WITH", "SETUP_WITH"})
+#: id(code) -> (weak reference to that code, its offsets): the code is held weakly, as plain
+#: backward keeps nothing of its caller (a step function a notebook defines again goes)
 _with_calls: dict = {}
+
+
+class _CodeRef(weakref.ref):
+    __slots__ = ("key",)
+
+
+def _forget(ref: _CodeRef, _with_calls=_with_calls) -> None:
+    """Drop the entry of a code object that is gone (a weak reference's callback)."""
+    entry = _with_calls.get(ref.key)
+    if entry is not None and entry[0] is ref:
+        del _with_calls[ref.key]
 
 
 def _with_call_offsets(code) -> frozenset:
@@ -79,11 +93,15 @@ def _with_call_offsets(code) -> frozenset:
 
 def _called_as_context(frame) -> bool:
     code = frame.f_code
-    offsets = _with_calls.get(code)
-    if offsets is None:
-        if len(_with_calls) > 4096:
-            _with_calls.clear()
-        offsets = _with_calls[code] = _with_call_offsets(code)
+    entry = _with_calls.get(id(code))
+    if entry is not None and entry[0]() is code:
+        return frame.f_lasti in entry[1]
+    if len(_with_calls) > 4096:
+        _with_calls.clear()
+    offsets = _with_call_offsets(code)
+    ref = _CodeRef(code, _forget)
+    ref.key = id(code)
+    _with_calls[ref.key] = (ref, offsets)
     return frame.f_lasti in offsets
 
 

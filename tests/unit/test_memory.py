@@ -362,3 +362,31 @@ def test_code_that_ran_traces_is_not_kept(seq):
             assert alive == [False, False]
     finally:
         linecache.cache.pop(filename, None)
+
+
+def test_code_that_called_backward_is_not_kept():
+    """``Tensor.backward`` (patched so that ``with loss.backward():`` works) looks at the code
+    calling it, and caches what it found per code object; once that code is gone (a training
+    step function defined again in a notebook, a cell that ran) the cache lets it go, as plain
+    PyTorch's backward keeps nothing of its caller. It held the last 4096 such code objects
+    (and through them the source lines of the trace bodies among them)."""
+    src = ("def step(w):\n"
+           "    loss = (w * 2).sum()\n"
+           "    loss.backward()\n"
+           "    return w.grad\n")
+    w = torch.ones(3, requires_grad=True)
+    for _ in range(2):
+        scope = {}
+        exec(compile(src, "<nnsight-lite-test-step>", "exec"), scope)
+        grad = scope["step"](w)
+        assert torch.equal(grad, torch.full((3,), 2.0))
+        w.grad = None
+        ref = weakref.ref(scope["step"].__code__)
+        gc.disable()
+        try:
+            scope.clear()  # (step and its globals are a cycle of plain Python's own)
+            del scope
+            alive = ref() is not None
+        finally:
+            gc.enable()
+        assert not alive
