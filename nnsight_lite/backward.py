@@ -253,6 +253,15 @@ class Backward(BackwardErrors, BodyContext):
     def _on_exit(self, frame):
         self._run_in_scope(frame, self._stoppable)
 
+    def _let_go(self) -> None:
+        # The loss holds its graph, whose nodes hold the weights and the leaf inputs: a name
+        # left bound to this object (`as bw`) must not keep them (plain backward returns None).
+        self._loss = self._args = None
+        self.cur = self.cur_value = self._pending = self._last = None
+        self._seq = self._pending_seq = None
+        self._runner = self._greenlet = None
+        self._handles = []
+
     def _stoppable(self, scope) -> None:
         """``_run``, where a ``tracer.stop()`` in the block ends the backward pass only: what
         the block saved is kept and the code after the block runs (as in nnsight)."""

@@ -390,3 +390,39 @@ def test_code_that_called_backward_is_not_kept():
         finally:
             gc.enable()
         assert not alive
+
+
+@pytest.mark.parametrize("where", ["after", "inside"])
+def test_a_backward_context_left_bound_does_not_keep_the_graph(where):
+    """``with loss.backward() as bw:`` leaves ``bw`` bound (in a notebook, for good): once the
+    block is over it holds neither the loss nor its graph, whose nodes hold the weights and the
+    leaf inputs (plain ``loss.backward()`` returns None and keeps nothing). It held the loss,
+    so the model's weights and the input outlived the model; in a trace body too."""
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
+    model = NNsight(net)
+    x = torch.randn(2, 6, requires_grad=True)
+    if where == "after":
+        with model.trace(x):
+            h = model[0].output.save()
+            out = model.output.save()
+        with out.sum().backward() as bw:
+            g = h.grad.save()
+    else:
+        with model.trace(x):
+            h = model[0].output.save()
+            out = model.output.save()
+            with out.sum().backward() as bw:
+                g = h.grad.save()
+            bw = bw.save()
+    plain = net[0](x)
+    plain_grad, = torch.autograd.grad(net[1](plain).sum(), plain)
+    torch.testing.assert_close(g, plain_grad)
+    refs = [weakref.ref(net), weakref.ref(net[0].weight), weakref.ref(x), weakref.ref(out)]
+    gc.disable()
+    try:
+        del model, net, x, h, out, plain, plain_grad
+        alive = [r() is not None for r in refs]
+    finally:
+        gc.enable()
+    assert alive == [False] * 4
+    assert bw is not None
