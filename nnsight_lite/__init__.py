@@ -43,6 +43,7 @@ from .errors import (
     RemoteError,
     RemoteTimeoutError,
     ResultTooLargeError,
+    ReusedContextError,
     SourceUnavailableError,
     WithBlockNotFoundError,
 )
@@ -87,4 +88,5 @@ __all__ = [
     "RemoteError",
     "RemoteTimeoutError",
     "ResultTooLargeError",
+    "ReusedContextError",
 ]

@@ -238,6 +238,7 @@ class Backward(BackwardErrors, BodyContext):
     """
 
     _what = "backward"
+    _made_by = "loss.backward()"
 
     def __init__(self, loss, gradient, retain_graph, create_graph, inputs):
         self._loss = loss

@@ -27,7 +27,7 @@ from .capture import (
     write_back,
 )
 from .envoy import _saved_stack, save_in_body
-from .errors import BodySyntaxError, NoSourceError
+from .errors import BodySyntaxError, NoSourceError, ReusedContextError
 from .mediator import wait_for_name
 from .tracebacks import clean, handled_as_is, note_scope_limits
 from .waits import StopTrace
@@ -63,8 +63,15 @@ class BodyContext:
 
     _binds = None  # what ``with ... as name`` binds where it is not the context (an editor)
 
+    _entered = False  # set at the first with-statement: the object runs that block only
+    _single_use = True  # (a session may be entered again: it holds no inputs)
+    _made_by = "this object"  # how messages name the call that made it ("model.trace(...)")
+
     def __enter__(self):
         try:
+            if self._entered:
+                raise self._reused(sys._getframe(1))
+            self._entered = self._single_use
             self._capture(sys._getframe(1))
         except BaseException as err:  # a block that cannot run: the user's `with` line only
             __tracebackhide__ = True  # noqa: F841  (pytest and IPython hide this frame)
@@ -132,6 +139,14 @@ class BodyContext:
         finally:
             self._let_go()
         return True
+
+    def _reused(self, frame) -> ReusedContextError:
+        name = self._made_by
+        return ReusedContextError(
+            f"the with-statement at {frame.f_code.co_filename}:{frame.f_lineno} enters a "
+            f"{name} object that has run its block already: each {name} call makes an object "
+            f"for one with-block. Call {name} again in the with-statement (`with {name}:`)."
+        )
 
     def _let_go(self) -> None:
         """The block is over: drop what only running it needed (the model, the inputs), so a

@@ -22,6 +22,7 @@ or device (module path, invoke, line, both values: tracebacks.record_reshape).
     ├── BodySyntaxError        (SyntaxError)    return / yield / break at the top of a body
     ├── BatchingError          (ValueError)     invoke inputs that cannot form one batch
     ├── InvokeError            (RuntimeError)   tracer.invoke(...) opened where none can be added
+    ├── ReusedContextError     (RuntimeError)   a trace/invoke/edit object entered a second time
     ├── InputError             (TypeError, ValueError)  a prompt or option a wrapper cannot use
     ├── InferenceModeSwitchError (RuntimeError) waiting for a value inside torch.inference_mode()
     ├── GradientError          (RuntimeError)   .grad / backward misuse (outside a backward block...)
@@ -85,6 +86,11 @@ class InvokeError(NNsightError, RuntimeError, ValueError):
     """``tracer.invoke(...)`` opened where no invoke can be added: in a trace given inputs,
     inside another invoke's body while the model runs, or after the trace (a ValueError too,
     as nnsight 0.8 raises)."""
+
+
+class ReusedContextError(NNsightError, RuntimeError):
+    """A ``model.trace(...)`` (``generate``, ``scan``), ``tracer.invoke(...)`` or ``model.edit()``
+    object entered by a second with-statement: each runs one block (a session may run again)."""
 
 
 class InputError(NNsightError, TypeError, ValueError):

@@ -38,6 +38,7 @@ class Session(BodyContext):
     """
 
     _what = "session"
+    _single_use = False
 
     def __init__(self, model=None, backend=None):
         self._model = model
@@ -75,6 +76,7 @@ class Editor(BodyContext):
     """
 
     _what = "edit"
+    _made_by = "model.edit()"
 
     def __init__(self, target):
         self._target = target

@@ -53,6 +53,10 @@ class Tracer(BodyContext):
     _stopped_at = None  # where a tracer.stop() ended the call ("file:line"), once it ran
     _call_name = "model.trace"  # (how messages name the call that made this tracer)
 
+    @property
+    def _made_by(self) -> str:
+        return "model.scan(...)" if self._scan else f"{self._call_name}(...)"
+
     def __init__(self, model, args: tuple, kwargs: dict, *, scan: bool = False,
                  forward: dict | None = None):
         self._model = model
@@ -375,6 +379,7 @@ class Invoker(BodyContext):
     """
 
     _what = "invoke"
+    _made_by = "tracer.invoke(...)"
     __slots__ = ("_tracer", "_args", "_kwargs", "_snapshot", "_home")
 
     def __init__(self, tracer: Tracer, args: tuple, kwargs: dict):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 import traceback
 
 import pytest
@@ -22,6 +23,7 @@ from nnsight_lite.errors import (
     InputError,
     InvokeError,
     NotAContainerError,
+    ReusedContextError,
 )
 
 
@@ -588,6 +590,99 @@ class TestMisplacedInvokes:
         with pytest.raises(InvokeError, match=r"its trace is not running"):
             tracer.invoke(torch.randn(1, 6))
 
+
+
+class TestReusedContexts:
+    """A ``model.trace(...)``, ``tracer.invoke(...)`` or ``model.edit()`` object runs one
+    with-block; entering it again raises ReusedContextError (a RuntimeError) naming the call and
+    the user's line. A reused tracer had said its trace "was given no inputs" (it had been; the
+    block's end lets go of them), or raised AttributeError ('NoneType' object has no attribute
+    '_prepare_inputs') with invokes; a reused invoke ran its second body twice, silently (the
+    first one's names were never bound); a reused editor raised AttributeError and left the
+    body-skipping trace function set (sys.gettrace(), checked by the autouse fixture)."""
+
+    def test_a_tracer_entered_again(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        tracer = model.trace(x)
+        with tracer:
+            first = model[1].output.save()
+        with pytest.raises(ReusedContextError, match=r"with-statement at .*test_errors\.py:\d+ "
+                           r"enters a model\.trace\(\.\.\.\) object that has run its block "
+                           r"already.*Call model\.trace\(\.\.\.\) again") as info:
+            with tracer:  # the second time
+                again = model[1].output.save()
+        assert isinstance(info.value, RuntimeError)
+        assert "no inputs" not in str(info.value)
+        assert _this_file_line(info.value, "the second time")
+        with model.trace(x):
+            out = model.output.save()
+        torch.testing.assert_close(out, seq(x))
+        torch.testing.assert_close(first, seq[:2](x))
+
+    def test_a_tracer_of_invokes_entered_again(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        tracer = model.trace()
+        with tracer:
+            with tracer.invoke(x):
+                first = model[1].output.save()
+        with pytest.raises(ReusedContextError, match=r"model\.trace\(\.\.\.\)"):
+            with tracer:
+                with tracer.invoke(x):
+                    again = model[1].output.save()
+        torch.testing.assert_close(first, seq[:2](x))
+
+    def test_an_invoke_entered_again(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with pytest.raises(ReusedContextError, match=r"with-statement at .*test_errors\.py:\d+ "
+                           r"enters a tracer\.invoke\(\.\.\.\) object that has run its block "
+                           r"already") as info:
+            with model.trace() as tracer:
+                invoke = tracer.invoke(x)
+                with invoke:
+                    a = model[1].output.save()
+                with invoke:  # reused
+                    b = model[2].output.save()
+        assert _this_file_line(info.value, "reused")
+        with model.trace(x):
+            out = model.output.save()
+        torch.testing.assert_close(out, seq(x))
+
+    def test_an_edit_entered_again(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        editor = model.edit()
+        with editor as edited:
+            edited[1].output[:] = 0
+        with pytest.raises(ReusedContextError, match=r"with-statement at .*test_errors\.py:\d+ "
+                           r"enters a model\.edit\(\) object that has run its block "
+                           r"already") as info:
+            with editor as again:  # reused
+                again[2].output[:] = 0
+        assert _this_file_line(info.value, "reused")
+        assert sys.gettrace() is None
+        with edited.trace(x):  # the first edit only
+            out = edited.output.save()
+        torch.testing.assert_close(out, seq[2:](torch.zeros(2, 6)))
+        with model.trace(x):
+            plain = model.output.save()
+        torch.testing.assert_close(plain, seq(x))
+
+    def test_a_session_may_run_again(self, seq):
+        """A session object runs each block it is entered with (it holds no inputs)."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        session = model.session()
+        outs = []
+        for _ in range(2):
+            with session:
+                with model.trace(x):
+                    out = model.output.save()
+            outs.append(out)
+        torch.testing.assert_close(outs[0], seq(x))
+        torch.testing.assert_close(outs[1], seq(x))
 
 def test_nnsight_code_catching_value_error_still_catches(seq, net, x8):
     """nnsight 0.8 raises ValueError for a value read outside a trace and for a module call
