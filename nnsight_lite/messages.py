@@ -89,12 +89,17 @@ def no_body_error(envoy, what: str, action: str) -> OutsideTraceError:
     )
 
 
-def never_ran(path: str, envoy, kind: str) -> str:
+def never_ran(path: str, envoy, kind: str, inter=None) -> str:
     """Why ``path`` (a module or an operation) has no call in this forward, and where to look."""
-    from .source import OpEnvoy
+    from .source import OpEnvoy, Source
 
     if isinstance(envoy, OpEnvoy):
         parent = envoy._parent
+        if inter is not None and isinstance(parent, Source):  # its module never ran either?
+            owner = parent._envoy
+            mslot = inter.slots.get(id(owner._module))
+            if mslot is None or not mslot.calls:
+                return never_ran(owner._path, owner, kind)
         comp = parent._compiled()
         line = comp.spans[comp.index[envoy._name]][0]
         return (
@@ -261,7 +266,7 @@ def missed_error(self: "Mediator"):
             ".input or .output), or make the model call it directly while you trace it"
         )
     elif slot.calls == 0:
-        reason = never_ran(path, envoy, kind)
+        reason = never_ran(path, envoy, kind, self.interleaver)
     elif kind == "output" and slot.outs <= call < slot.calls:
         reason = (
             f"{path} began that call and raised before it returned (the model's own code "

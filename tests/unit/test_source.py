@@ -46,6 +46,18 @@ class Block(torch.nn.Module):
         return self.lin(torch.matmul(s, h)).sum(-1)
 
 
+
+class _WithUnused(torch.nn.Module):
+    """One Linear it calls and one (``unused``) it never calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.unused = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x)
+
 def plain(block, x, relu0=None, scores=None):
     """The Block forward written out by hand, with optional edits."""
     h = block.lin(x)
@@ -277,6 +289,28 @@ class TestOrder:
         assert f"the line it is on ({__file__}:{line}) did not run" in text
         assert "print(model.source) shows each operation" in text
         assert "print(model)" not in text
+
+    def test_op_of_a_module_that_never_runs_says_the_module_never_ran(self, x):
+        """An op of a module the forward never calls (an unused submodule) is missed because the
+        module is: the error says so and names the module. It said the op's line "did not run (a
+        branch the forward did not take, or code after a return)", a line inside a module that
+        never ran, and sent the user to print its .source."""
+        torch.manual_seed(0)
+        seq = _WithUnused()
+        model = NNsight(seq)
+        x = torch.randn(2, 8)
+        with pytest.raises(MissedModuleError, match=r"waited for model\.unused\.source\."
+                           r"F_linear_0\.output at .*test_source\.py:\d+, but model\.unused "
+                           r"never ran in this forward: the model's forward does not call it") \
+                as info:
+            with model.trace(x):
+                y = model.unused.source.F_linear_0.output  # never runs
+        assert "did not run" not in str(info.value)
+        assert any(fs.filename == __file__ and "never runs" in (fs.line or "")
+                   for fs in __import__("traceback").extract_tb(info.value.__traceback__))
+        with model.trace(x):
+            out = model.output.save()
+        torch.testing.assert_close(out, seq(x))
 
     def test_first_use_after_the_module_ran_is_refused(self, x):
         """Operations are counted from the first use in a trace: asking for an operation's value
