@@ -63,6 +63,7 @@ def open_cache(tracer, modules=None, *, device=torch.device("cpu"), dtype=None,
             f"{type(tracer.model._module).__name__}, but the body running now is a trace of "
             f"{type(inter.root).__name__}; call the cache method of that trace's tracer"
         )
+    modules = _check_options(modules, device, dtype)
     if inter.position is not None or inter.finished:
         # The model's forward has begun (bodies only run again once it serves them a value),
         # so calls that already happened would be missing from the cache.
@@ -86,6 +87,40 @@ def open_cache(tracer, modules=None, *, device=torch.device("cpu"), dtype=None,
             observer.wait(inter.wait_table(slot, OUTPUT), 0)
     view._include_inputs = include_inputs
     return save(view)
+
+
+def _check_options(modules, device, dtype):
+    """Refuse here, at the body's line, what would otherwise fail inside the model's forward
+    (where the observer stores a value) or be misread as a late call: ``modules`` holding a
+    module's value instead of the module, a ``dtype`` that is not a torch.dtype, a device this
+    torch cannot put tensors on. Returns ``modules`` (an iterator made a list)."""
+    if modules is not None and not isinstance(modules, (str, Envoy, torch.nn.Module)):
+        modules = list(modules)
+        for m in modules:
+            if not isinstance(m, (str, Envoy, torch.nn.Module)):
+                value = " (a module's value? pass the module itself, model.layer1, not " \
+                        "model.layer1.output)" if isinstance(m, torch.Tensor) else ""
+                raise TypeError(
+                    f"tracer.cache(modules=...) at {user_location()} takes Envoys "
+                    f"(model.layer1) or path strings (\"model.layer1\"), got "
+                    f"{type(m).__name__}{value}"
+                )
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"tracer.cache(dtype=...) at {user_location()} takes a torch.dtype "
+            f"(dtype=torch.float16) or None, got {dtype!r}"
+        )
+    if device is not None and torch.device(device).type != "cpu":
+        try:
+            torch.empty(0, device=device)
+        except Exception as err:  # noqa: BLE001 - torch says why (no CUDA, no such index)
+            raise CacheError(
+                f"tracer.cache(device={device!r}) at {user_location()}: this process cannot "
+                f"put tensors on that device ({type(err).__name__}: {err}). Pass a device "
+                "it has (the default keeps them on the CPU; device=None leaves them where the "
+                "model made them)."
+            ) from err
+    return modules
 
 
 def _select(model: Envoy, inter, modules) -> list:

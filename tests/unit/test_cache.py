@@ -513,6 +513,46 @@ class TestErrors:
             with model.trace(torch.randn(2, 6)) as tracer:
                 tracer.cache(include_output=False)
 
+    def test_options_it_cannot_use_raise_at_the_cache_line(self, seq):
+        """A device this torch cannot put tensors on, a dtype that is not a torch.dtype, and a
+        module's value (``model[0].output``) in ``modules=`` raise at the tracer.cache(...)
+        line, naming the option. The first two failed inside the model's forward, where the
+        cache stores a value (torch's "Torch not compiled with CUDA enabled" / to()'s argument
+        error, at a line of the model's code, naming no cache); the third said the cache was
+        called after the body read a value, about the value it was given as a module."""
+        import traceback
+
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+
+        def at_line(exc, text):
+            return any(fs.filename == __file__ and text in (fs.line or "")
+                       for fs in traceback.extract_tb(exc.__traceback__))
+
+        with pytest.raises(CacheError, match=r"tracer\.cache\(device='cuda:99'\) at "
+                           r".*test_cache\.py:\d+: this process cannot put tensors on that "
+                           r"device") as info:
+            with model.trace(x) as tracer:
+                tracer.cache(device="cuda:99")  # no such device
+        assert at_line(info.value, "no such device")
+        with pytest.raises(TypeError, match=r"tracer\.cache\(dtype=\.\.\.\) at .*test_cache"
+                           r"\.py:\d+ takes a torch\.dtype .*got 'float16'") as info:
+            with model.trace(x) as tracer:
+                tracer.cache(dtype="float16")  # a string
+        assert at_line(info.value, "a string")
+        with pytest.raises(TypeError, match=r"got Tensor \(a module's value\? pass the module "
+                           r"itself") as info:
+            with model.trace(x) as tracer:
+                tracer.cache(modules=[model[0].output])  # the value
+        assert at_line(info.value, "the value")
+        with model.trace(x) as tracer:
+            cache = tracer.cache(modules=iter([model[1]]), dtype=torch.float64, device="meta")
+            out = model.output.save()
+        torch.testing.assert_close(out, seq(x))
+        assert cache["model.1"].output.device.type == "meta"
+        assert cache["model.1"].output.dtype == torch.float64
+        assert list(cache.keys()) == ["model.1"]
+
     def test_is_a_value_error(self):
         assert issubclass(CacheError, ValueError) and issubclass(CacheError, nnsight_lite.NNsightError)
 
