@@ -195,12 +195,22 @@ class Mediator:
             set_tls_state(parent_state, now)
             if (now ^ parent_state) & INFERENCE_BIT:
                 return self.resume(None, InferenceModeSwitchError(
-                    f"{self.label()} waited for a module value inside its own "
+                    f"{self.label()} waited for {self._awaited(req)} inside its own "
                     "torch.inference_mode() block; the model's forward cannot switch inference "
                     "mode for it. Put the whole trace inside `with torch.inference_mode():` "
                     "instead, or use torch.no_grad() in the body."
                 ))
         return req
+
+    def _awaited(self, req) -> str:
+        """What the request ``req`` the body just made waits for, and the body's line (for
+        messages): "model.layer1.output at file:line"."""
+        envoy = self.pending_envoy
+        what = "a module value"
+        if envoy is not None and isinstance(req, tuple) and len(req) == 3:
+            what = f"{envoy._path}.{req[1]}" + (f" (call {req[2]})" if req[2] else "")
+        frame = self.greenlet.gr_frame if self.greenlet is not None else None
+        return f"{what} at {user_location(frame)}" if frame is not None else what
 
     def publish(self) -> None:
         """Copy the names this invoke has bound into the trace's shared scope, so later

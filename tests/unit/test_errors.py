@@ -542,6 +542,22 @@ class TestTorchModes:
                     model[1].output
         assert not torch.is_inference_mode_enabled()
 
+    def test_waiting_inside_inference_mode_names_the_value_and_line(self, seq):
+        """The error names what the body waited for and the line; it said only "waited for a
+        module value"."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with pytest.raises(InferenceModeSwitchError, match=r"invoke 0 waited for "
+                           r"model\[1\]\.output at .*test_errors\.py:\d+ inside its own "
+                           r"torch\.inference_mode\(\) block") as info:
+            with model.trace(x):
+                with torch.inference_mode():
+                    h = model[1].output  # waits here
+        assert _this_file_line(info.value, "waits here")
+        with model.trace(x):
+            out = model.output.save()
+        torch.testing.assert_close(out, seq(x))
+
     def test_trace_inside_inference_mode(self, seq):
         model = NNsight(seq)
         x = torch.randn(2, 6)
