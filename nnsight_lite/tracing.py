@@ -29,7 +29,7 @@ from .scan import _run_fake
 from .sessions import _add_edits
 from .steps import _iterate, _IterIndexer
 from .waits import Barrier, StopTrace
-from .workers import RUNNER, _getcurrent, _take_worker, switch_job, user_location
+from .workers import RUNNER, _getcurrent, _note, _take_worker, switch_job, user_location
 
 _CPU = torch.device("cpu")
 
@@ -283,14 +283,32 @@ class Tracer(BodyContext):
                 "and its body opened no invoke, so there is nothing to run the model on; pass "
                 "inputs to model.trace(...) or open `with tracer.invoke(inputs):` blocks in it"
             )
-        prepared = [model._prepare_inputs(*inv._args, **inv._kwargs) for inv in invokes
-                    if inv._args or inv._kwargs]
+        prepared = []
+        given = []  # the invokes with inputs, in the order of `prepared`
+        for inv in invokes:
+            if inv._args or inv._kwargs:
+                try:
+                    prepared.append(model._prepare_inputs(*inv._args, **inv._kwargs))
+                except Exception as err:  # (raised at the trace's line: say which invoke)
+                    _note_invoke(err, invokes, inv)
+                    raise
+                given.append(inv)
         if not prepared:
             raise InputError(
                 "none of this trace's invokes has an input, so there is nothing to run the "
                 "model on; pass inputs to model.trace(...) or to at least one tracer.invoke(...)"
             )
-        args, kwargs, sizes = model._batch_inputs(prepared)
+        try:
+            args, kwargs, sizes = model._batch_inputs(prepared)
+        except Exception as err:
+            if len(prepared) > 1:  # an invoke's own input (a token id outside the vocabulary)?
+                for inv, one in zip(given, prepared):
+                    try:
+                        model._batch_inputs([one])
+                    except Exception:  # noqa: BLE001 - (only which invoke raises is asked)
+                        _note_invoke(err, invokes, inv)
+                        break
+            raise
         if self._forward_kwargs:
             kwargs = {**kwargs, **self._forward_kwargs}
         inter = Interleaver(model._module, sum(sizes), model.__dict__)
@@ -354,6 +372,15 @@ class Tracer(BodyContext):
         """What runs under the interleaver: the model's forward (``model.generate`` runs HF
         generate instead; see generation.py)."""
         return self._model._run_forward(args, kwargs)
+
+
+def _note_invoke(err: BaseException, invokes: list, inv) -> None:
+    """Note on ``err``, raised on the inputs of ``inv`` when the trace's block ends (at the
+    trace's `with` line), which of several invokes it was and where."""
+    if len(invokes) > 1:
+        body = inv._body
+        _note(err, f"nnsight_lite: raised on the inputs of invoke {invokes.index(inv)} "
+              f"(tracer.invoke(...) at {body.filename}:{body.lineno})")
 
 
 def _on_runner(job) -> None:

@@ -521,6 +521,36 @@ class TestInputs:
                 with tracer.invoke(torch.tensor([[bad, 5]])):
                     pass
 
+    def test_an_invokes_input_error_names_the_invoke(self, lm, hf):
+        """Where a trace has several invokes, an input one of them cannot use names that invoke
+        and its line in a note (the error is raised when the trace's block ends, at its `with`
+        line; it said neither which invoke nor where)."""
+        with pytest.raises(InputError, match=r"token id 10000 is outside") as info:
+            with lm.trace() as tracer:
+                with tracer.invoke(torch.tensor([[4, 5]])):
+                    pass
+                with tracer.invoke(torch.tensor([[10_000, 5]])):  # invoke 1: bad id
+                    pass
+        line = next(i for i, text in enumerate(open(__file__), 1)
+                    if text.rstrip().endswith("# invoke 1: bad id"))
+        assert (f"nnsight_lite: raised on the inputs of invoke 1 (tracer.invoke(...) at "
+                f"{__file__}:{line})") in getattr(info.value, "__notes__", [])
+        with pytest.raises(InputError, match=r"attention_mask=\.\.\. was given with a text "
+                           r"prompt") as info:
+            with lm.trace() as tracer:
+                with tracer.invoke("the cat"):
+                    pass
+                with tracer.invoke("the dog", attention_mask=torch.ones(1, 2)):  # invoke 1: mask
+                    pass
+        line = next(i for i, text in enumerate(open(__file__), 1)
+                    if text.rstrip().endswith("# invoke 1: mask"))
+        assert (f"nnsight_lite: raised on the inputs of invoke 1 (tracer.invoke(...) at "
+                f"{__file__}:{line})") in getattr(info.value, "__notes__", [])
+        ids = torch.tensor([[4, 5]])
+        with lm.trace(ids):
+            out = lm.output.save()
+        torch.testing.assert_close(out.logits, hf(ids).logits)
+
     @pytest.mark.parametrize("how", ["set_input_embeddings", "replace_base_model"])
     def test_vocabulary_follows_a_new_input_embedding(self, lm, how):
         """The vocabulary check uses the model's input embedding as it is at each trace: after
