@@ -210,6 +210,17 @@ def _advice(target: str, was, now) -> str:
             to.append(str(was.dtype))
         return (f"Convert it to what the model produced there (`.to({', '.join(to)})`), or "
                 f"edit the value in place (`{target}[:] = ...` converts it).")
+    if isinstance(was, (tuple, list)) and not isinstance(now, type(was)):
+        # (an attention module's (out, weights) set to its tensor: the caller unpacks a tuple)
+        form = type(was).__name__
+        first = (f"{target}[0][:] = ..." if was and isinstance(was[0], torch.Tensor) else None)
+        made = "(new, *{0}[1:])" if isinstance(was, tuple) else "[new, *{0}[1:]]"
+        return (f"The model produced a {form} of {len(was)} there: set a {form} of the same "
+                f"form (`{target} = {made.format(target)}`)"
+                + (f", or edit its tensor in place (`{first}`)." if first else "."))
+    if isinstance(was, torch.Tensor) and not isinstance(now, torch.Tensor):
+        return (f"The model produced a tensor there: set a tensor of that shape, or edit the "
+                f"value in place (`{target}[:] = ...`).")
     return (f"Give it the shape the model produced there, or edit the value in place "
             f"(`{target}[:] = ...`).")
 

@@ -287,6 +287,62 @@ class TestWrongShapeReplacement:
         (note,) = _notes(info.value)
         assert "model[0].output was set" in note
 
+    def test_a_tuple_output_set_to_a_tensor_and_back(self):
+        """An attention module returns ``(out, weights)`` and its caller unpacks it: setting its
+        ``.output`` to a tensor makes the caller's unpacking fail, and the note says the model
+        produced a tuple there and how to set one (or edit its tensor in place); the reverse, a
+        tuple set where the model produced a tensor, says to set a tensor. Both said "Give it
+        the shape the model produced there, or edit the value in place (`....output[:] =
+        ...`)", which a tuple cannot take."""
+
+        class Attn(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.proj = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                return self.proj(x), x.sum(-1)
+
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.attn = Attn()
+                self.mlp = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                h, _ = self.attn(x)
+                return self.mlp(h)
+
+        torch.manual_seed(0)
+        net = Block()
+        model = NNsight(net)
+        x = torch.randn(3, 4)
+        with pytest.raises(ValueError, match="too many values to unpack") as info:
+            with model.trace(x):
+                out = model.attn.output
+                model.attn.output = out[0] * 2  # a tensor for a tuple
+        line = inspect.currentframe().f_lineno - 1
+        assert _notes(info.value) == [
+            "nnsight_lite: this may come from a replaced value: model.attn.output was set by "
+            f"invoke 0 at {__file__}:{line} to a tensor of shape (3, 4) in place of a tuple. "
+            "The model produced a tuple of 2 there: set a tuple of the same form "
+            "(`model.attn.output = (new, *model.attn.output[1:])`), or edit its tensor in place "
+            "(`model.attn.output[0][:] = ...`)."]
+        with pytest.raises(TypeError, match="must be Tensor, not tuple") as info:
+            with model.trace(x):
+                h = model.attn.proj.output
+                model.attn.proj.output = (h, h)  # a tuple for a tensor
+        line = inspect.currentframe().f_lineno - 1
+        assert _notes(info.value) == [
+            "nnsight_lite: this may come from a replaced value: model.attn.proj.output was set "
+            f"by invoke 0 at {__file__}:{line} to a tuple in place of a tensor of shape (3, 4). "
+            "The model produced a tensor there: set a tensor of that shape, or edit the value in "
+            "place (`model.attn.proj.output[:] = ...`)."]
+        with model.trace(x):  # what the first note says to write works
+            model.attn.output = (model.attn.output[0] * 2, *model.attn.output[1:])
+            y = model.output.save()
+        torch.testing.assert_close(y, net.mlp(net.attn.proj(x) * 2))
+
     def test_no_note_for_same_shape_or_for_a_bodys_own_error(self):
         """A same-shape replacement leaves no record; an error a body raises itself (after a
         wrong-shape replacement) is the body's and gets no replacement note."""
