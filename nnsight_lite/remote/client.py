@@ -82,8 +82,8 @@ class Backend:
             self._replicas.clear()
             raise RemoteError(
                 f"the block at {block.filename}:{block.lineno} was to run on model {name!r}, but "
-                "this process is no longer connected to a Ray cluster (ray.shutdown() ran): "
-                "call nnsight_lite.remote.connect(address) again")
+                "this process is not connected to a Ray cluster (it never joined one, or "
+                "ray.shutdown() ran since): call nnsight_lite.remote.connect(address) first")
         replica = self.replica(name)
         wait = None if self.time_limit is None else self.time_limit + _SLACK
         try:

@@ -196,3 +196,24 @@ def test_a_source_view_held_outside_the_block_ships(seq):
     torch.testing.assert_close(h, net.lin(x))
     torch.testing.assert_close(r, torch.relu(net.lin(x)))
     torch.testing.assert_close(out, torch.ones(3, 6))
+
+
+def test_a_served_name_without_a_cluster_says_to_connect(seq):
+    """A block sent to a served model by name (backend="...") in a process that never joined a
+    Ray cluster raises RemoteError saying to connect first. It said the process was "no longer
+    connected to a Ray cluster (ray.shutdown() ran)", which it never was; nothing is started."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("a Ray cluster is joined in this process")
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    with pytest.raises(RemoteError, match=r"the block at .*test_remote_local\.py:\d+ was to run "
+                       r"on model 'nowhere', but this process is not connected to a Ray cluster"
+                       r".*connect\(address\)") as info:
+        with model.trace(x, backend="nowhere"):
+            out = model.output.save()
+    assert "no longer" not in str(info.value)
+    assert not ray.is_initialized()
+    with model.trace(x):
+        out = model.output.save()
+    torch.testing.assert_close(out, seq(x))
