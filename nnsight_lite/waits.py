@@ -112,6 +112,13 @@ class Barrier:
         return len(waiting) + others >= self.n
 
     def short_error(self, med: "Mediator", wait: BarrierWait) -> NNsightError:
+        inter = med.interleaver
+        bodies = len(inter.mediators) - len(inter.edits)  # (the trace's own invokes)
+        if self.n > bodies:
+            return MissedModuleError(
+                f"{med.label()} waited at tracer.barrier({self.n}) at {wait.where}, but this "
+                f"trace has only {bodies} invoke{'s' if bodies != 1 else ''}, so {self.n} can "
+                "never reach it. Pass tracer.barrier(n) the number of invokes that call it.")
         others = [m for m in med.interleaver.mediators if m is not med and not m.done
                   and isinstance(m.pending, NameWait) and m not in self.arrived]
         if others:  # the bodies that could come are waiting themselves: a deadlock
