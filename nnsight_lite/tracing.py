@@ -94,8 +94,9 @@ class Tracer(BodyContext):
     def _misplaced_invoke(self) -> InvokeError:
         where = user_location()
         if self._args or self._kwargs:
-            why = ("the trace itself was given inputs, so its body is the one invoke; pass the "
-                   "inputs to each tracer.invoke(...) instead of to trace()")
+            why = (f"{self._call_name}(...) itself was given inputs, so its body is the one "
+                   "invoke; pass the inputs to each tracer.invoke(...) instead (with "
+                   f"`with {self._call_name}() as tracer:`)")
         elif self._inter is not None:
             why = ("it is inside another invoke's body, while the model runs; invokes sit "
                    "directly in the trace's body, one after another: end the enclosing "

@@ -1316,6 +1316,23 @@ class TestErrors:
             with lm.trace(prompt):
                 pass
 
+    def test_an_invoke_in_a_generate_given_a_prompt_names_generate(self, lm, hf):
+        """An invoke opened in ``model.generate(prompt, ...)`` says generate() was given the
+        inputs (it said "trace()", which the code does not call)."""
+        from nnsight_lite import InvokeError
+
+        with pytest.raises(InvokeError, match=r"model\.generate\(\.\.\.\) itself was given "
+                           r"inputs, so its body is the one invoke; pass the inputs to each "
+                           r"tracer\.invoke\(\.\.\.\) instead \(with `with model\.generate\(\) "
+                           r"as tracer:`\)"):
+            with lm.generate("hello world", max_new_tokens=1) as tracer:
+                with tracer.invoke("the cat"):
+                    pass
+        ids = torch.tensor([[4, 5]])
+        with lm.trace(ids):
+            out = lm.output.save()
+        torch.testing.assert_close(out.logits, hf(ids).logits)
+
     def test_wrong_type_is_also_a_type_error(self, lm):
         with pytest.raises(TypeError):
             with lm.trace(None):
