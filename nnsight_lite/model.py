@@ -16,6 +16,7 @@ from .envoy import Envoy
 from .remote.hook import take_backend
 from .sessions import Editor, Session
 from .tracing import Tracer
+from .workers import _note
 
 
 #: what an Envoy keeps that leads back to it, so that an edited copy does not share it
@@ -117,4 +118,23 @@ class NNsight(Envoy):
         return concat_inputs([(a, k) for a, k, _ in prepared], [n for _, _, n in prepared])
 
     def _run_forward(self, args: tuple, kwargs: dict):
-        return self._module(*args, **kwargs)
+        try:
+            return self._module(*args, **kwargs)
+        except TypeError as err:
+            _note_raw_input(err, self._module, args)
+            raise
+
+
+def _note_raw_input(err: TypeError, module: torch.nn.Module, args: tuple) -> None:
+    """Note on ``err``, a TypeError from the forward, where an input is text or a list of
+    plain numbers: NNsight hands the trace's inputs to the module as they are."""
+    raw = next((a for a in args if isinstance(a, str) or (
+        isinstance(a, (list, tuple)) and a and all(
+            isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in a))), None)
+    if raw is None:
+        return
+    what = (f"a str ({raw[:40]!r})" if isinstance(raw, str) else
+            f"a {type(raw).__name__} of {type(raw[0]).__name__}")
+    _note(err, f"nnsight_lite: NNsight passes the inputs of model.trace(...) to "
+          f"{type(module).__name__}.forward as they are, and it got {what}. Pass what the "
+          "module takes (a tensor: torch.tensor(...)); for text, LanguageModel tokenizes it.")

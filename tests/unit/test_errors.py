@@ -396,6 +396,29 @@ class TestUserExceptions:
         assert _this_file_line(info.value, "user raise")
         assert not isinstance(info.value, NNsightError)
 
+    @pytest.mark.parametrize("given, what", [("hello", "a str ('hello')"),
+                                             ([1, 2, 3], "a list of int")])
+    def test_text_or_plain_numbers_given_to_nnsight(self, seq, given, what):
+        """Text or a list of numbers passed to an NNsight model's trace reaches its forward as
+        it is, where torch raises TypeError at the model's line: a note says NNsight passes
+        inputs unchanged, what it got, and what to pass (a tensor; LanguageModel for text).
+        Torch's message is unchanged, and had no such note."""
+        model = NNsight(seq)
+        with pytest.raises(TypeError) as plain:
+            seq(given)
+        with pytest.raises(TypeError) as info:
+            with model.trace(given):
+                h = model[0].output
+        assert str(info.value) == str(plain.value)
+        assert getattr(info.value, "__notes__", []) == [
+            "nnsight_lite: NNsight passes the inputs of model.trace(...) to Sequential.forward "
+            f"as they are, and it got {what}. Pass what the module takes (a tensor: "
+            "torch.tensor(...)); for text, LanguageModel tokenizes it."]
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            out = model.output.save()
+        torch.testing.assert_close(out, seq(x))
+
     def test_error_before_any_request(self, seq):
         model = NNsight(seq)
         with pytest.raises(ZeroDivisionError):
