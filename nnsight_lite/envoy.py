@@ -26,7 +26,7 @@ import torch
 from .aliases import Tree, child_module, tree_repr
 from .envoy_containers import Containers
 from .envoy_names import ModuleFirst
-from .errors import ModulePathError, OutOfOrderError
+from .errors import InputError, ModulePathError, OutOfOrderError
 from .mediator import INPUT, OUTPUT, current_mediator
 from .workers import _getcurrent, user_location
 
@@ -145,9 +145,10 @@ class Envoy(ModuleFirst, Containers):
     @inputs.setter
     def inputs(self, value):
         if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict)):
-            raise TypeError(
+            raise InputError(
                 f"{self._path}.inputs must be set to an (args, kwargs) pair, got "
-                f"{type(value).__name__}; to replace the first argument set .input instead"
+                f"{type(value).__name__} (at {user_location()}); to replace the first argument "
+                "set .input instead"
             )
         current_mediator(self, "inputs", "set").set(self, INPUT, (tuple(value[0]), value[1]))
 

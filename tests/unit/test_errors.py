@@ -419,6 +419,24 @@ class TestUserExceptions:
             out = model.output.save()
         torch.testing.assert_close(out, seq(x))
 
+    def test_inputs_set_to_a_tensor(self, seq):
+        """``.inputs = tensor`` (not an (args, kwargs) pair) raises InputError, a TypeError and
+        a ValueError (nnsight 0.8 raises ValueError; it was a TypeError only), naming the line
+        and saying to set .input instead."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with pytest.raises(InputError, match=r"model\[1\]\.inputs must be set to an \(args, "
+                           r"kwargs\) pair, got Tensor \(at .*test_errors\.py:\d+\); to replace "
+                           r"the first argument set \.input instead") as info:
+            with model.trace(x):
+                model[1].inputs = torch.zeros(2, 6)  # not a pair
+        assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+        assert _this_file_line(info.value, "not a pair")
+        with model.trace(x):
+            model[1].input = torch.zeros(2, 6)
+            out = model.output.save()
+        torch.testing.assert_close(out, seq[1:](torch.zeros(2, 6)))
+
     def test_error_before_any_request(self, seq):
         model = NNsight(seq)
         with pytest.raises(ZeroDivisionError):
