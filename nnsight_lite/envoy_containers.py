@@ -147,8 +147,13 @@ class Containers:
                      else "a child as an attribute, by its name (print(model) lists them)")
             return self._not_a_container("indexing works", child,
                                          f"{self._path}[{key!r}] at {user_location()}: ")
-        return type(exc)(f"{self._path}[{key!r}]: {exc} ({type(module).__name__} of length "
-                         f"{length})")
+        where = user_location()
+        if isinstance(exc, KeyError):  # (a ModuleDict: name the keys it has)
+            keys = ", ".join(map(str, list(module._modules)[:12])) or "none"
+            return KeyError(f"{self._path}[{key!r}] at {where}: no module under {key!r} "
+                            f"({type(module).__name__} of length {length}; its keys: {keys})")
+        return type(exc)(f"{self._path}[{key!r}] at {where}: {exc} ({type(module).__name__} of "
+                         f"length {length})")
 
 
 def _script_item(module, key):

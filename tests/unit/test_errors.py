@@ -223,6 +223,25 @@ class TestOrderErrors:
         with pytest.raises(IndexError, match=r"model\.layers\[7\]"):
             model.layers[7]
 
+    def test_a_bad_index_or_key_names_the_line(self, net, x8):
+        """An index past a ModuleList's end names the user's line (as a misspelled name's
+        error does; it named none); a key a ModuleDict lacks names the line and the keys it
+        has (it said "model.heads['b']: 'b' (ModuleDict of length 1)"). Raised in a body,
+        the trace leaves nothing behind and the next one is the plain forward."""
+        model = NNsight(net)
+        with pytest.raises(IndexError, match=r"model\.layers\[99\] at .*test_errors\.py:\d+: "
+                           r"index 99 is out of range \(ModuleList of length 3\)") as info:
+            with model.trace(x8):
+                h = model.layers[99].output  # past the end
+        assert _this_file_line(info.value, "past the end")
+        routed = NNsight(_Routed())
+        with pytest.raises(KeyError, match=r"model\.heads\['b'\] at .*test_errors\.py:\d+: no "
+                           r"module under 'b' \(ModuleDict of length 1; its keys: a\)"):
+            routed.heads["b"]
+        with model.trace(x8):
+            out = model.output.save()
+        torch.testing.assert_close(out["logits"], net(x8)["logits"])
+
     def test_indexing_a_module_that_is_not_a_container(self, net):
         """model["layers"] on a module that is no container raises NotAContainerError (a
         TypeError) naming the index, the line and the attribute to use; it raised the
