@@ -240,7 +240,7 @@ def missed_error(self: "Mediator"):
     if isinstance(self.pending, BarrierWait):
         return self.pending.barrier.short_error(self, self.pending)
     if isinstance(self.pending, NameWait):
-        return NameError(f"name {self.pending.name!r} is not defined")
+        return NameError(f"name {self.pending.name!r} is not defined", name=self.pending.name)
     slot, kind, call = self.pending
     envoy = self.pending_envoy
     path = envoy._path if envoy is not None else slot.label()

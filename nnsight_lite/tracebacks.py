@@ -142,6 +142,29 @@ def note_scope_limits(exc: BaseException, frame) -> None:
             _note(exc, f"nnsight_lite: {exc.name!r} is a variable of the code around the `with` "
                   "block; its body reads it, but runs as its own block of code and cannot "
                   f"unbind it. Write `del {exc.name}` after the block.")
+    elif type(exc) is NameError and getattr(exc, "name", None):
+        _note_unsaved(exc, frame)
+
+
+def _note_unsaved(exc: NameError, frame) -> None:
+    """Where the name ``exc`` misses is one that another with-block of ``frame``'s code binds
+    (its body was compiled here: capture.body's cache), say it was dropped unsaved."""
+    from .capture.body import _bodies
+
+    name = exc.name
+    code = frame.f_code
+    here = frame.f_lineno
+    found = None
+    for held, body in list(_bodies.values()):
+        if held is code and name in body.binds and not body.lineno <= here <= body.end_lineno:
+            if found is None or abs(body.lineno - here) < abs(found.lineno - here):
+                found = body  # (the nearest such block)
+    if found is not None:
+        _note(exc, f"nnsight_lite: {name!r} is bound in the body of the `with` block at "
+              f"{found.filename}:{found.lineno}, but a block keeps only the names it saved, so "
+              f"it was dropped when that block ended. Save it there (`{name} = ....save()`), "
+              "or put both blocks in `with model.session():`, which hands every name on to "
+              "the next block.")
 
 
 def _locals_of(frame) -> dict:

@@ -893,5 +893,63 @@ class TestNotesOnABodysOwnCode:
         assert _notes(info.value) == []
 
 
+class TestUnsavedNames:
+    """A name one block bound without .save() is gone when the block ends (as in nnsight);
+    a later block of the same code reading it raised a bare NameError. It gets a note naming
+    the block that bound it and what to write (save it there, or hold both blocks in a
+    session, which hands every name on)."""
+
+    def test_a_name_an_earlier_trace_bound_without_saving(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            h = model[1].output  # bound, not saved
+        first = next(i for i, text in enumerate(open(__file__), 1)
+                     if text.rstrip().endswith("# bound, not saved")) - 1
+        with pytest.raises(NameError, match="'h'") as info:
+            with model.trace(x):
+                model[1].output[:] = h * 2  # the later read
+        assert _notes(info.value) == [
+            f"nnsight_lite: 'h' is bound in the body of the `with` block at {__file__}:"
+            f"{first}, but a block keeps only the names it saved, so it was dropped when that "
+            "block ended. Save it there (`h = ....save()`), or put both blocks in `with "
+            "model.session():`, which hands every name on to the next block."]
+        assert _this_file_line(info.value, "the later read")
+        with model.session():  # what the note says works
+            with model.trace(x):
+                h = model[1].output
+            with model.trace(x):
+                model[1].output[:] = h * 2
+                out = model.output.save()
+        torch.testing.assert_close(out, seq[2:](seq[:2](x) * 2))
+
+    def test_read_in_an_invoke(self, seq):
+        """The same where the later read is in an invoke (whose missing name waits for the
+        other invokes before it raises)."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            h = model[1].output  # bound here, not saved
+        first = next(i for i, text in enumerate(open(__file__), 1)
+                     if text.rstrip().endswith("# bound here, not saved")) - 1
+        with pytest.raises(NameError, match="'h'") as info:
+            with model.trace() as tracer:
+                with tracer.invoke(x):
+                    model[1].output[:] = h
+        assert len(_notes(info.value)) == 1
+        assert _notes(info.value)[0].startswith(
+            f"nnsight_lite: 'h' is bound in the body of the `with` block at {__file__}:{first}, "
+            "but a block keeps only the names it saved")
+
+    def test_no_note_for_a_name_no_block_binds(self, seq):
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            g = model[1].output
+        with pytest.raises(NameError) as info:
+            with model.trace(x):
+                model[1].output[:] = unknown_name  # noqa: F821
+        assert _notes(info.value) == []
+
 def _notes(exc) -> list:
     return list(getattr(exc, "__notes__", []))
