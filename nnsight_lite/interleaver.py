@@ -252,6 +252,7 @@ class Interleaver:
                 if med.iter_depth and call > 0 and slot.calls > 0:
                     exc = IterationEnd()
                     med.loop_ended = (slot, call, med.loop_bounded)
+                    med.iter_cut = (slot, call)
                 else:
                     exc = med.missed_error()
                 try:
@@ -274,6 +275,7 @@ class Interleaver:
                 table[call].remove(med)
                 if not table[call]:
                     del table[call]
+                med.iter_cut = (slot, call)
                 self.register(med, med.resume(None, IterationEnd()))
 
     def _end(self) -> None:

@@ -9,6 +9,7 @@ into the loop (capture/rewrite.py, through ``RUNTIME[ITER_BLOCK_NAME]``).
 from __future__ import annotations
 
 import itertools
+import warnings
 
 from .capture import ITER_BLOCK_NAME
 from .context import RUNTIME
@@ -43,6 +44,11 @@ def _iterate(item, form: str):
         stop = item.stop
         if stop is None:  # open: as many steps as the model makes (generate: max_new_tokens,
             stop = med.interleaver.steps  # so a step that reads nothing cannot loop for ever)
+            if stop is not None and start >= stop:
+                warnings.warn(
+                    f"nnsight_lite: {form} at {user_location()} starts at step {start}, but "
+                    f"this run makes only {stop} step(s) (0..{stop - 1}: one per new token, "
+                    "max_new_tokens), so the loop runs none of them.", UserWarning, stacklevel=3)
         steps = iter(range(start, stop, step)) if stop is not None else \
             itertools.count(start, step)
     else:
@@ -110,12 +116,15 @@ def _iteration(med, steps, open_form=None, bounded=False):
     prev = (med.iteration, med.iter_depth, med.loop_bounded)
     med.iter_depth += 1
     med.loop_bounded = bounded
+    med.iter_cut = None
     idle = 0
+    done = 0  # steps whose code ran to the end
     try:
         for i in steps:
             med.iteration = i
             med.pending_envoy = None  # (set again by each read that waits for the model)
             yield i
+            done += 1
             if open_form is not None:
                 idle = idle + 1 if med.pending_envoy is None else 0
                 if idle >= _IDLE_STEPS:
@@ -127,6 +136,16 @@ def _iteration(med, steps, open_form=None, bounded=False):
                         "(tracer.iter[:n], tracer.iter[k]) or read a module in every step."
                     )
     finally:
+        cut, med.iter_cut = med.iter_cut, None
+        if cut is not None and not done:  # the forward ended before the loop's first step
+            slot, call = cut
+            warnings.warn(
+                f"nnsight_lite: a step loop (`for step in tracer.iter[...]`/`tracer.all()`) "
+                f"ran none of its steps: its first step, call {call} of {slot.label()}, never "
+                f"happened ({slot.label()} was called {slot.calls} time(s) in this run, steps "
+                f"0..{slot.calls - 1}). Start the loop at a step the run makes (in a generate, "
+                "one per new token: max_new_tokens), or in a trace read the call directly.",
+                UserWarning, stacklevel=2)
         med.iteration, med.iter_depth, med.loop_bounded = prev
 
 

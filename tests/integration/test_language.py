@@ -1187,6 +1187,37 @@ class TestGenerate:
         assert seen == list(range(k))
         assert torch.equal(ids, plain)
 
+    def test_a_loop_past_the_last_token_warns(self, lm):
+        """A step loop starting past the generation's last step (``tracer.iter[5:]`` or
+        ``tracer.iter[7]`` with max_new_tokens=3) runs none of its steps: it warns, as nnsight
+        0.8 does (it said nothing); one that runs some steps and outlasts the generation ends
+        quietly."""
+        import warnings
+
+        prompt = PROMPTS[2]
+        with pytest.warns(UserWarning, match=r"tracer\.iter\[\.\.\.\] at .*test_language\.py:"
+                          r"\d+ starts at step 5, but this run makes only 3 step\(s\)"):
+            with lm.generate(prompt, max_new_tokens=3, min_new_tokens=3) as tracer:
+                got = nnsight_lite.save([])
+                for step in tracer.iter[5:]:
+                    got.append(lm.lm_head.output)
+        assert got == []
+        with pytest.warns(UserWarning, match=r"its first step, call 7 of model\.lm_head, never "
+                          r"happened \(model\.lm_head was called 3 time\(s\)"):
+            with lm.generate(prompt, max_new_tokens=3, min_new_tokens=3) as tracer:
+                got = nnsight_lite.save([])
+                for step in tracer.iter[7]:
+                    got.append(lm.lm_head.output)
+        assert got == []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with lm.generate(prompt, max_new_tokens=3, min_new_tokens=3) as tracer:
+                got = nnsight_lite.save([])
+                for step in tracer.iter[1:9]:
+                    lm.lm_head.output
+                    got.append(step)
+        assert got == [1, 2]
+
     def test_an_open_loop_follows_the_generation_config_given_to_generate(self, lm, hf):
         """A ``generation_config=`` given to generate sets the steps of an open loop before
         the model's own config (whose max_new_tokens would cut the loop short)."""

@@ -497,6 +497,31 @@ class TestStopAndCalls:
                     model.shared.output
                 model.head.output.save()
 
+    def test_a_loop_that_runs_none_of_its_steps_warns(self, net, x8):
+        """A step loop whose first step the run never makes (``tracer.iter[1:3]`` over a module
+        a trace calls once, as if a trace generated) ran no step and said nothing (its names
+        unbound later, no clue why). It warns, naming the step, the module and how many calls
+        it made; a loop that ran some steps and outlasted the calls ends quietly, as before."""
+        import warnings
+
+        seen, _ = record(net, ["head", "shared"], x8)
+        model = NNsight(net)
+        with pytest.warns(UserWarning, match=r"ran none of its steps: its first step, call 1 of "
+                          r"model\.head, never happened \(model\.head was called 1 time\(s\)"):
+            with model.trace(x8) as tracer:
+                got = nnsight_lite.save([])
+                for step in tracer.iter[1:3]:
+                    got.append(model.head.output)
+        assert got == []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (no warning: step 1 ran)
+            with model.trace(x8) as tracer:
+                got = nnsight_lite.save([])
+                for step in tracer.iter[1:3]:
+                    got.append(model.shared.output.clone())
+        assert len(got) == 1
+        torch.testing.assert_close(got[0], seen[("shared", 1)])
+
     def test_a_read_after_a_bounded_loop_that_outran_the_calls_says_so(self, net, x8):
         """Found by a hunt: ``tracer.iter[0:5]`` over a module the model calls twice ends with
         the forward too, but the error for a read after it called the loop open and advised
