@@ -282,6 +282,13 @@ class Backward(BackwardErrors, BodyContext):
                 "torch.no_grad()/inference_mode or only from tensors that do not require grad; "
                 "compute it with grad enabled." + no_grad_trace()
             )
+        if self._args[0] is None and loss.numel() != 1:  # (autograd's own error is bare)
+            raise GradientError(
+                f"`with loss.backward():` at {user_location()}: the loss is a "
+                f"{_describe(loss)}, not a single number, and backward needs one: reduce it "
+                "first (`with loss.sum().backward():`), or pass the gradient to start from "
+                "(`loss.backward(gradient=torch.ones_like(loss))`)."
+            )
         code = self._body.code
         self._runner = _getcurrent()
         self._greenlet = None

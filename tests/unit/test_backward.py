@@ -145,6 +145,31 @@ class TestGradErrors:
         msg = str(info.value)
         assert "tensor of shape (2, 3)" in msg and "tensor of shape (2, 6)" in msg
 
+    def test_a_loss_that_is_not_a_scalar(self, seq):
+        """``with out.backward():`` on a loss of several elements (a forgotten ``.sum()``)
+        raises GradientError (a RuntimeError, as torch's is) naming the line and the loss's
+        shape and saying to reduce it or pass gradient=; it raised torch's bare "grad can be
+        implicitly created only for scalar outputs" from inside autograd."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with pytest.raises(GradientError, match=r"`with loss\.backward\(\):` at .*test_backward"
+                           r"\.py:\d+: the loss is a tensor of shape \(2, 6\).*not a single "
+                           r"number.*\.sum\(\)\.backward\(\).*gradient=") as info:
+            with model.trace(x):
+                h = model[1].output
+                with model.output.backward():  # no .sum()
+                    g = h.grad.save()
+        assert isinstance(info.value, RuntimeError)
+        assert any(fs.filename == __file__ and "no .sum()" in (fs.line or "")
+                   for fs in traceback.extract_tb(info.value.__traceback__))
+        with model.trace(x):  # as the message says
+            h = model[1].output
+            with model.output.backward(gradient=torch.ones(2, 6)):
+                g = h.grad.save()
+        hx = seq[:2](x).detach().requires_grad_(True)
+        seq[2:](hx).sum().backward()
+        torch.testing.assert_close(g, hx.grad)
+
     def test_tensor_not_requiring_grad(self, seq):
         t = torch.randn(3)
         a = torch.randn(3, requires_grad=True)
