@@ -148,17 +148,25 @@ def note_scope_limits(exc: BaseException, frame) -> None:
 
 def _note_unsaved(exc: NameError, frame) -> None:
     """Where the name ``exc`` misses is one that another with-block of ``frame``'s code binds
-    (its body was compiled here: capture.body's cache), say it was dropped unsaved."""
+    (its body was compiled here: capture.body's cache), or at the top level another block of
+    the same namespace (a notebook's other cell), say it was dropped unsaved."""
     from .capture.body import _bodies
 
     name = exc.name
     code = frame.f_code
     here = frame.f_lineno
-    found = None
+    top = id(frame.f_globals) if code.co_name == "<module>" else None
+    same = other = None
     for held, body in list(_bodies.values()):
-        if held is code and name in body.binds and not body.lineno <= here <= body.end_lineno:
-            if found is None or abs(body.lineno - here) < abs(found.lineno - here):
-                found = body  # (the nearest such block)
+        if name not in body.binds:
+            continue
+        if held is code:
+            if not body.lineno <= here <= body.end_lineno and (
+                    same is None or abs(body.lineno - here) < abs(same.lineno - here)):
+                same = body  # (the nearest such block of this code)
+        elif top is not None and body.namespace == top:
+            other = body  # (another cell's: the latest compiled)
+    found = same or other
     if found is not None:
         _note(exc, f"nnsight_lite: {name!r} is bound in the body of the `with` block at "
               f"{found.filename}:{found.lineno}, but a block keeps only the names it saved, so "

@@ -24,7 +24,7 @@ class Body:
     """A compiled with-block body and where it came from."""
 
     __slots__ = ("code", "filename", "lineno", "end_lineno", "trivial", "body_line", "assigned",
-                 "binds", "skipper", "skip_error")
+                 "binds", "skipper", "skip_error", "namespace")
 
     def __init__(self, code: CodeType, filename: str, lineno: int, end_lineno: int, trivial: bool,
                  body_line: int):
@@ -40,6 +40,9 @@ class Body:
         self.end_lineno = end_lineno
         self.skipper = Skipper(body_line)  # the line tracer that skips this body
         self.skip_error: "str | None" = None  # why the line tracer cannot skip it (see skip_line)
+        # id() of the globals of the top-level code it sits in (None inside a function): the
+        # cells of a notebook share one (messages look for a name another cell's block bound)
+        self.namespace: "int | None" = None
 
 
 #: (id(code), offset of the with) -> (weak reference to that code, its Body). The code is held
@@ -116,6 +119,8 @@ def _compile_body(frame: FrameType, what: str) -> Body:
     body.skip_error = skip_error
     body.assigned = assigned_names(node.body)
     body.binds = scope_names(node.body)
+    if frame.f_code.co_name == "<module>":
+        body.namespace = id(frame.f_globals)
     return body
 
 

@@ -941,6 +941,31 @@ class TestUnsavedNames:
             f"nnsight_lite: 'h' is bound in the body of the `with` block at {__file__}:{first}, "
             "but a block keeps only the names it saved")
 
+    def test_across_notebook_cells(self, seq):
+        """The same across two cells of a notebook (two code objects at the top level of one
+        namespace), where the mistake is most often made."""
+        import linecache
+
+        model = NNsight(seq)
+        ns = {"model": model, "x": torch.randn(2, 6)}
+        cells = ["with model.trace(x):\n    h = model[1].output\n",
+                 "with model.trace(x):\n    model[1].output[:] = h\n"]
+        names = [f"<nnsight-lite-test-cell-{i}>" for i in range(2)]
+        for src, name in zip(cells, names):
+            linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+        try:
+            exec(compile(cells[0], names[0], "exec"), ns)
+            with pytest.raises(NameError, match="'h'") as info:
+                exec(compile(cells[1], names[1], "exec"), ns)
+        finally:
+            for name in names:
+                linecache.cache.pop(name, None)
+        assert len(_notes(info.value)) == 1
+        assert _notes(info.value)[0].startswith(
+            f"nnsight_lite: 'h' is bound in the body of the `with` block at {names[0]}:1, but a "
+            "block keeps only the names it saved")
+        assert "h" not in ns
+
     def test_no_note_for_a_name_no_block_binds(self, seq):
         model = NNsight(seq)
         x = torch.randn(2, 6)
