@@ -150,26 +150,25 @@ def _note_unsaved(exc: NameError, frame) -> None:
     """Where the name ``exc`` misses is one that another with-block of ``frame``'s code binds
     (its body was compiled here: capture.body's cache), or at the top level another block of
     the same namespace (a notebook's other cell), say it was dropped unsaved."""
-    from .capture.body import _bodies
+    from .capture.body import _bodies, top_blocks
 
     name = exc.name
     code = frame.f_code
     here = frame.f_lineno
-    top = id(frame.f_globals) if code.co_name == "<module>" else None
-    same = other = None
-    for held, body in list(_bodies.values()):
-        if name not in body.binds:
-            continue
-        if held is code:
-            if not body.lineno <= here <= body.end_lineno and (
-                    same is None or abs(body.lineno - here) < abs(same.lineno - here)):
-                same = body  # (the nearest such block of this code)
-        elif top is not None and body.namespace == top:
-            other = body  # (another cell's: the latest compiled)
-    found = same or other
+    found = None  # (filename, line) of the block
+    for ref, body in list(_bodies.values()):
+        if name in body.binds and ref() is code and not body.lineno <= here <= body.end_lineno \
+                and (found is None or abs(body.lineno - here) < abs(found[1] - here)):
+            found = (body.filename, body.lineno)  # (the nearest such block of this code)
+    if found is None and code.co_name == "<module>":
+        top = id(frame.f_globals)
+        for (namespace, filename, line), binds in reversed(list(top_blocks.items())):
+            if namespace == top and name in binds and filename != code.co_filename:
+                found = (filename, line)  # (another cell's: the latest compiled; this cell's
+                break  # own blocks are the ones above)
     if found is not None:
         _note(exc, f"nnsight_lite: {name!r} is bound in the body of the `with` block at "
-              f"{found.filename}:{found.lineno}, but a block keeps only the names it saved, so "
+              f"{found[0]}:{found[1]}, but a block keeps only the names it saved, so "
               f"it was dropped when that block ended. Save it there (`{name} = ....save()`), "
               "or put both blocks in `with model.session():`, which hands every name on to "
               "the next block.")

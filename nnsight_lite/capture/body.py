@@ -121,7 +121,19 @@ def _compile_body(frame: FrameType, what: str) -> Body:
     body.binds = scope_names(node.body)
     if frame.f_code.co_name == "<module>":
         body.namespace = id(frame.f_globals)
+        key = (body.namespace, filename, body.lineno)
+        top_blocks.pop(key, None)
+        top_blocks[key] = body.binds  # (the latest last)
+        if len(top_blocks) > _TOP_BLOCKS:
+            top_blocks.popitem(last=False)
     return body
+
+
+#: (id(globals), filename, line) -> the names the body binds, for the latest blocks of top-level
+#: code (notebook cells): a cell's code object, and with it its _bodies entry, is gone once the
+#: cell ran, but a later cell's NameError note names the block that bound the name (tracebacks)
+top_blocks: OrderedDict = OrderedDict()
+_TOP_BLOCKS = 256
 
 
 def names_read(code) -> set:
