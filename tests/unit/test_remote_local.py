@@ -198,22 +198,48 @@ def test_a_source_view_held_outside_the_block_ships(seq):
     torch.testing.assert_close(out, torch.ones(3, 6))
 
 
-def test_a_served_name_without_a_cluster_says_to_connect(seq):
+def test_a_served_name_without_a_cluster_says_to_connect(tmp_path):
     """A block sent to a served model by name (backend="...") in a process that never joined a
     Ray cluster raises RemoteError saying to connect first. It said the process was "no longer
-    connected to a Ray cluster (ray.shutdown() ran)", which it never was; nothing is started."""
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        pytest.skip("a Ray cluster is joined in this process")
-    model = NNsight(seq)
-    x = torch.randn(2, 6)
-    with pytest.raises(RemoteError, match=r"the block at .*test_remote_local\.py:\d+ was to run "
-                       r"on model 'nowhere', but this process is not connected to a Ray cluster"
-                       r".*connect\(address\)") as info:
-        with model.trace(x, backend="nowhere"):
+    connected to a Ray cluster (ray.shutdown() ran)", which it never was; nothing is started.
+    (Run in a fresh process: the suite's remote tests leave this one joined to their cluster.)"""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    pytest.importorskip("ray")
+    script = tmp_path / "served_name.py"
+    script.write_text(textwrap.dedent("""
+        import re
+        import ray
+        import torch
+        from nnsight_lite import NNsight, RemoteError
+
+        torch.manual_seed(0)
+        seq = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU())
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        try:
+            with model.trace(x, backend="nowhere"):
+                out = model.output.save()
+        except RemoteError as err:
+            text = str(err)
+        else:
+            raise SystemExit("no RemoteError")
+        assert re.search(r"the block at .*served_name\\.py:\\d+ was to run on model 'nowhere', "
+                         r"but this process is not connected to a Ray cluster.*connect\\(address\\)",
+                         text, re.S), text
+        assert "no longer" not in text, text
+        assert not ray.is_initialized()
+        with model.trace(x):
             out = model.output.save()
-    assert "no longer" not in str(info.value)
-    assert not ray.is_initialized()
-    with model.trace(x):
-        out = model.output.save()
-    torch.testing.assert_close(out, seq(x))
+        torch.testing.assert_close(out, seq(x))
+        print("ok")
+    """))
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
