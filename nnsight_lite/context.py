@@ -26,6 +26,7 @@ from .capture import (
     skip_inline,
     write_back,
 )
+from .capture.body import ran as _ran
 from .envoy import _saved_stack, save_in_body
 from .errors import BodySyntaxError, NoSourceError, ReusedContextError
 from .mediator import wait_for_name
@@ -38,6 +39,9 @@ RUNTIME = {SAVE_NAME: save_in_body, INLINE_NAME: body_runs_inline, NAME_NAME: cl
 _INLINE = object()  # the token of a context entered from a compiled body (no line tracer)
 _UNSAVED = object()  # what a body name that was not saved maps to in the saved dict
 _NO_SOURCE = object()  # the token of a context whose body runs in place (no source: nosource.py)
+
+
+_NONE_KEPT = frozenset()
 
 
 def saved_only(items, saved: dict) -> dict:
@@ -169,6 +173,7 @@ class BodyContext:
         scope = caller_scope(frame, RUNTIME, wait_for_name)
         saved: dict = {}
         stack = _saved_stack()
+        outermost = not stack
         stack.append(saved)
         stop = None
         try:
@@ -177,6 +182,8 @@ class BodyContext:
             stop = exc  # and what the body saved so far is kept
         except BaseException:
             let_go_of_locals(frame)
+            if outermost:
+                _ran(self._body, None)  # (nothing it bound is kept: saved names neither)
             raise
         finally:
             stack.pop()
@@ -188,6 +195,7 @@ class BodyContext:
             values = dict(scope.own_items())
         else:
             values = saved_only(scope.bound_items(), saved)
+            _ran(self._body, frozenset(values) if values else _NONE_KEPT)
         scope.reset()
         if stack:  # a trace nested in another body: its saves are saved there too
             stack[-1].update(saved)

@@ -157,13 +157,14 @@ def _note_unsaved(exc: NameError, frame) -> None:
     here = frame.f_lineno
     found = None  # (filename, line) of the block
     for ref, body in list(_bodies.values()):
-        if name in body.binds and ref() is code and not body.lineno <= here <= body.end_lineno \
-                and (found is None or abs(body.lineno - here) < abs(found[1] - here)):
+        kept = body.kept  # (None: its last run raised, and dropped every name, saved or not)
+        if name in body.binds and kept is not None and name not in kept and ref() is code \
+                and not body.lineno <= here <= body.end_lineno and (found is None or abs(body.lineno - here) < abs(found[1] - here)):
             found = (body.filename, body.lineno)  # (the nearest such block of this code)
     if found is None and code.co_name == "<module>":
         top = id(frame.f_globals)
-        for (namespace, filename, line), binds in reversed(list(top_blocks.items())):
-            if namespace == top and name in binds and filename != code.co_filename:
+        for (namespace, filename, line), dropped in reversed(list(top_blocks.items())):
+            if namespace == top and name in dropped and filename != code.co_filename:
                 found = (filename, line)  # (another cell's: the latest compiled; this cell's
                 break  # own blocks are the ones above)
     if found is not None:

@@ -24,7 +24,7 @@ class Body:
     """A compiled with-block body and where it came from."""
 
     __slots__ = ("code", "filename", "lineno", "end_lineno", "trivial", "body_line", "assigned",
-                 "binds", "skipper", "skip_error", "namespace")
+                 "binds", "skipper", "skip_error", "namespace", "kept")
 
     def __init__(self, code: CodeType, filename: str, lineno: int, end_lineno: int, trivial: bool,
                  body_line: int):
@@ -43,6 +43,9 @@ class Body:
         # id() of the globals of the top-level code it sits in (None inside a function): the
         # cells of a notebook share one (messages look for a name another cell's block bound)
         self.namespace: "int | None" = None
+        # the names its last run as the outermost block bound back (saved), or None where that
+        # run raised or none has ended yet: a name it binds and did not keep was dropped unsaved
+        self.kept: "frozenset | None" = None
 
 
 #: (id(code), offset of the with) -> (weak reference to that code, its Body). The code is held
@@ -121,17 +124,27 @@ def _compile_body(frame: FrameType, what: str) -> Body:
     body.binds = scope_names(node.body)
     if frame.f_code.co_name == "<module>":
         body.namespace = id(frame.f_globals)
-        key = (body.namespace, filename, body.lineno)
-        top_blocks.pop(key, None)
-        top_blocks[key] = body.binds  # (the latest last)
-        if len(top_blocks) > _TOP_BLOCKS:
-            top_blocks.popitem(last=False)
     return body
 
 
-#: (id(globals), filename, line) -> the names the body binds, for the latest blocks of top-level
-#: code (notebook cells): a cell's code object, and with it its _bodies entry, is gone once the
-#: cell ran, but a later cell's NameError note names the block that bound the name (tracebacks)
+def ran(body: Body, kept: "frozenset | None") -> None:
+    """Record how ``body``'s run as the outermost block ended: ``kept``, the names it bound
+    back in its caller, or None where it raised (then nothing it bound was kept, saved or not,
+    and no message may say a name was dropped for want of a .save())."""
+    body.kept = kept
+    if body.namespace is not None:  # top-level code (a notebook cell): see top_blocks
+        key = (body.namespace, body.filename, body.lineno)
+        top_blocks.pop(key, None)
+        if kept is not None:
+            top_blocks[key] = body.binds - kept  # (the latest last)
+            if len(top_blocks) > _TOP_BLOCKS:
+                top_blocks.popitem(last=False)
+
+
+#: (id(globals), filename, line) -> the names the body bound and dropped unsaved, for the latest
+#: blocks of top-level code (notebook cells) that ran to the end: a cell's code object, and with
+#: it its _bodies entry, is gone once the cell ran, but a later cell's NameError note names the
+#: block that dropped the name (tracebacks)
 top_blocks: OrderedDict = OrderedDict()
 _TOP_BLOCKS = 256
 

@@ -966,6 +966,47 @@ class TestUnsavedNames:
             "block keeps only the names it saved")
         assert "h" not in ns
 
+    def test_no_note_where_the_block_saved_the_name_but_failed(self, seq):
+        """A block that saves the name but raised before binding it (caught around it) did
+        not drop it unsaved: the later block's NameError gets no note telling the user to
+        save it (they did)."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with pytest.raises(AttributeError):
+            with model.trace(x):
+                model[1].output.no_such_method()
+                h = model[1].output.save()
+        with pytest.raises(NameError, match="'h'") as info:
+            with model.trace(x):
+                model[1].output[:] = h
+        assert _notes(info.value) == []
+        # (the plain-PyTorch value the block would have saved, had it run to the end)
+        with model.trace(x):
+            h = model[1].output.save()
+        torch.testing.assert_close(h, seq[:2](x))
+
+    def test_no_note_across_cells_where_the_cell_saved_the_name_but_failed(self, seq):
+        import linecache
+
+        model = NNsight(seq)
+        ns = {"model": model, "x": torch.randn(2, 6)}
+        cells = ["with model.trace(x):\n    model[1].output.no_such_method()\n"
+                 "    h = model[1].output.save()\n",
+                 "with model.trace(x):\n    model[1].output[:] = h\n"]
+        names = [f"<nnsight-lite-test-failed-cell-{i}>" for i in range(2)]
+        for src, name in zip(cells, names):
+            linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+        try:
+            with pytest.raises(AttributeError):
+                exec(compile(cells[0], names[0], "exec"), ns)
+            with pytest.raises(NameError, match="'h'") as info:
+                exec(compile(cells[1], names[1], "exec"), ns)
+        finally:
+            for name in names:
+                linecache.cache.pop(name, None)
+        assert _notes(info.value) == []
+        assert "h" not in ns
+
     def test_no_note_for_a_name_no_block_binds(self, seq):
         model = NNsight(seq)
         x = torch.randn(2, 6)
