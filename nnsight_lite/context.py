@@ -183,7 +183,7 @@ class BodyContext:
         except BaseException:
             let_go_of_locals(frame)
             if outermost:
-                _ran(self._body, None)  # (nothing it bound is kept: saved names neither)
+                _ran(self._body, None, frame)  # (nothing it bound is kept: saved names neither)
             raise
         finally:
             stack.pop()
@@ -195,7 +195,7 @@ class BodyContext:
             values = dict(scope.own_items())
         else:
             values = saved_only(scope.bound_items(), saved)
-            _ran(self._body, frozenset(values) if values else _NONE_KEPT)
+            _ran(self._body, frozenset(values) if values else _NONE_KEPT, frame)
         scope.reset()
         if stack:  # a trace nested in another body: its saves are saved there too
             stack[-1].update(saved)

@@ -127,13 +127,15 @@ def _compile_body(frame: FrameType, what: str) -> Body:
     return body
 
 
-def ran(body: Body, kept: "frozenset | None") -> None:
-    """Record how ``body``'s run as the outermost block ended: ``kept``, the names it bound
-    back in its caller, or None where it raised (then nothing it bound was kept, saved or not,
+def ran(body: Body, kept: "frozenset | None", frame: FrameType) -> None:
+    """Record how ``body``'s run as the outermost block in ``frame`` ended: ``kept``, the names
+    it bound back there, or None where it raised (then nothing it bound was kept, saved or not,
     and no message may say a name was dropped for want of a .save())."""
     body.kept = kept
     if body.namespace is not None:  # top-level code (a notebook cell): see top_blocks
-        key = (body.namespace, body.filename, body.lineno)
+        # (this run's namespace: top-level code run again, a loop of a script or a served
+        # model's cached request code, may run in other globals than it was compiled in)
+        key = (id(frame.f_globals), body.filename, body.lineno)
         top_blocks.pop(key, None)
         if kept is not None:
             top_blocks[key] = body.binds - kept  # (the latest last)
@@ -147,6 +149,13 @@ def ran(body: Body, kept: "frozenset | None") -> None:
 #: block that dropped the name (tracebacks)
 top_blocks: OrderedDict = OrderedDict()
 _TOP_BLOCKS = 256
+
+
+def forget_namespace(namespace: dict) -> None:
+    """Drop the blocks recorded for ``namespace``, a dict about to be freed (a served model's
+    request: a later dict may get its id, and must not be taken for it)."""
+    for key in [k for k in top_blocks if k[0] == id(namespace)]:
+        top_blocks.pop(key, None)
 
 
 def names_read(code) -> set:

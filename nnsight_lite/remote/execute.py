@@ -28,6 +28,7 @@ import threading
 import traceback
 from collections import OrderedDict
 
+from ..capture.body import forget_namespace
 from ..capture.rewrite import rewrite_body
 from ..capture.source import remember_source, with_at
 from ..errors import PolicyError, RemoteTimeoutError
@@ -77,6 +78,7 @@ def execute(request: dict, values: dict, *, time_limit: float | None = None, pol
     out, err = io.StringIO(), io.StringIO()
     reply = {"saved": {}, "result": _MISSING, "stdout": "", "stderr": "", "error": None}
     synthetic = filename
+    scope = None
     try:
         if policy is not None:
             policy(source, filename, values)
@@ -100,6 +102,9 @@ def execute(request: dict, values: dict, *, time_limit: float | None = None, pol
         reply["error"] = describe(stopped, synthetic, filename)
     except Exception as exc:  # noqa: BLE001 - every failure goes back to the client
         reply["error"] = describe(exc, synthetic, filename)
+    finally:
+        if scope is not None:  # (its blocks: a later request's dict may get its id)
+            forget_namespace(scope)
     reply["stdout"], reply["stderr"] = out.getvalue(), err.getvalue()
     if reply["result"] is _MISSING:  # (a sentinel: pickled, it would arrive as another object)
         del reply["result"]

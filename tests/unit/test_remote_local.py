@@ -243,3 +243,35 @@ def test_a_served_name_without_a_cluster_says_to_connect(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_a_request_gets_no_note_about_another_requests_block(seq):
+    """The note on a name an earlier block dropped unsaved looks for blocks of another cell of
+    the same top-level namespace, known by the id() of its globals. A served model runs each
+    request at the top level of a fresh dict, and a later request's dict often has the id of
+    an earlier, freed one: Bob's NameError got a note naming Alice's file and block. Each
+    request is its own namespace (names never carry over), so no request's note may name
+    another's block. Ground truth: a NameError with no note, as plain Python gives."""
+    import pickle
+
+    from nnsight_lite.remote.execute import execute
+
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    ids: list = []
+    alice = "ids.append(id(globals()))\nwith model.trace(x):\n    h = model[1].output\n"
+    bob = "ids.append(id(globals()))\nwith model.trace(x):\n    model[1].output[:] = h\n"
+    alices, reused = set(), 0
+    for i in range(200):  # (Bob's dict gets the id one of Alice's had every few requests)
+        first = execute({"source": alice + f"# edit {i}\n", "filename": "/home/alice/a.py"},
+                        {"model": model, "x": x, "ids": ids})
+        alices.add(ids.pop())
+        reply = execute({"source": bob, "filename": "/home/bob/b.py"},
+                        {"model": model, "x": x, "ids": ids})
+        assert first["error"] is None
+        assert reply["error"]["qualname"] == "NameError"
+        err = pickle.loads(reply["error"]["pickled"])
+        assert getattr(err, "__notes__", []) == [], err.__notes__
+        reused += ids.pop() in alices
+    if not reused:
+        pytest.skip("no request's globals reused an earlier one's id")
