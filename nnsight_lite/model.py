@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from .aliases import Tree
@@ -126,13 +128,14 @@ class NNsight(Envoy):
 
 
 def _note_raw_input(err: TypeError, module: torch.nn.Module, args: tuple) -> None:
-    """Note on ``err``, a TypeError from the forward, where an input is text or a list of
-    plain numbers: NNsight hands the trace's inputs to the module as they are."""
+    """Note on ``err``, a TypeError from the forward that names the type of an input that is
+    text or a list of plain numbers ("must be Tensor, not str"): NNsight hands the trace's
+    inputs to the module as they are."""
     raw = next((a for a in args if isinstance(a, str) or (
         isinstance(a, (list, tuple)) and a and all(
             isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in a))), None)
-    if raw is None:
-        return
+    if raw is None or not re.search(rf"\b{type(raw).__name__}\b", str(err)):
+        return  # (a TypeError of the forward's own, where a str is an option it takes)
     what = (f"a str ({raw[:40]!r})" if isinstance(raw, str) else
             f"a {type(raw).__name__} of {type(raw[0]).__name__}")
     _note(err, f"nnsight_lite: NNsight passes the inputs of model.trace(...) to "

@@ -438,6 +438,35 @@ class TestUserExceptions:
             out = model.output.save()
         torch.testing.assert_close(out, seq(x))
 
+    def test_no_raw_input_note_for_a_string_option_and_another_type_error(self):
+        """A forward that takes a string option (`model.trace(x, "mean")`) and raises a
+        TypeError of its own (here torch.cat given a tensor, not a sequence) gets torch's error
+        alone, as plain PyTorch gives it: the note saying NNsight passed text where a tensor
+        belongs was given for any TypeError while some input was a str."""
+
+        class Pool(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(6, 6)
+
+            def forward(self, x, how):
+                h = self.fc(x)
+                return torch.cat(h, 1) if how == "cat" else h.mean(0)
+
+        net = Pool()
+        x = torch.randn(2, 6)
+        with pytest.raises(TypeError) as plain:
+            net(x, "cat")
+        model = NNsight(net)
+        with pytest.raises(TypeError) as info:
+            with model.trace(x, "cat"):
+                h = model.fc.output.save()
+        assert str(info.value) == str(plain.value)
+        assert getattr(info.value, "__notes__", []) == []
+        with model.trace(x, "mean"):
+            out = model.output.save()
+        torch.testing.assert_close(out, net(x, "mean"))
+
     def test_inputs_set_to_a_tensor(self, seq):
         """``.inputs = tensor`` (not an (args, kwargs) pair) raises InputError, a TypeError and
         a ValueError (nnsight 0.8 raises ValueError; it was a TypeError only), naming the line
