@@ -261,7 +261,7 @@ def test_a_request_gets_no_note_about_another_requests_block(seq):
     ids: list = []
     alice = "ids.append(id(globals()))\nwith model.trace(x):\n    h = model[1].output\n"
     bob = "ids.append(id(globals()))\nwith model.trace(x):\n    model[1].output[:] = h\n"
-    alices, reused = set(), 0
+    alices, reused = set(), 0  # (reused: how often the bug's condition came up)
     for i in range(200):  # (Bob's dict gets the id one of Alice's had every few requests)
         first = execute({"source": alice + f"# edit {i}\n", "filename": "/home/alice/a.py"},
                         {"model": model, "x": x, "ids": ids})
@@ -273,5 +273,8 @@ def test_a_request_gets_no_note_about_another_requests_block(seq):
         err = pickle.loads(reply["error"]["pickled"])
         assert getattr(err, "__notes__", []) == [], err.__notes__
         reused += ids.pop() in alices
-    if not reused:
-        pytest.skip("no request's globals reused an earlier one's id")
+    # (where no dict happened to get a freed one's id in this run: nothing is recorded under
+    # the id of a request's globals once it ended, which is what a later request could match)
+    from nnsight_lite.capture.body import top_blocks
+
+    assert not [key for key in top_blocks if key[0] in alices]
