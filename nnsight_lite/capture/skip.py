@@ -107,7 +107,7 @@ _MONITORED = object()  # the first item of a skip_body token on the sys.monitori
 _LINE = _MON.events.LINE if _MON is not None else 0
 
 
-_lock = Lock()  # (arming and dropping, across threads: no Python line runs while it is held)
+_lock = Lock()  # (arming, dropping and claiming the tool id, across threads)
 
 
 def _on_line(code, line):
@@ -128,7 +128,11 @@ def _claim_tool():
     for tid in (4, 3):
         name = _MON.get_tool(tid)
         if name is None:
-            _MON.use_tool_id(tid, _TOOL_NAME)
+            try:
+                _MON.use_tool_id(tid, _TOOL_NAME)
+            except ValueError:  # (another tool took it just now)
+                if _MON.get_tool(tid) != _TOOL_NAME:
+                    continue
         elif name != _TOOL_NAME:  # (ours already after importlib.reload)
             continue
         _MON.register_callback(tid, _MON.events.LINE, _on_line)
@@ -154,7 +158,9 @@ def skip_body(frame: FrameType, skipper: Skipper):
     # down, so a debugger on id 0 or coverage on 1 never sees the skipped line)
     if _tool is not False and sys.gettrace() is None:
         if _tool is None or _MON.get_tool(_tool) != _TOOL_NAME:
-            _tool = _claim_tool()  # (the first skip; or another tool freed and took our id)
+            with _lock:  # (threads making their first traces at once: one claims the id)
+                if _tool is None or (_tool is not False and _MON.get_tool(_tool) != _TOOL_NAME):
+                    _tool = _claim_tool()  # (the first skip; or another tool took our id)
         if _tool is not False:
             code = frame.f_code
             with _lock:

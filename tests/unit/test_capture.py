@@ -598,3 +598,49 @@ class TestSkippingTheBody:
             out = model[1].output.save()
         assert seen == [None]
         torch.testing.assert_close(out, expected(seq, x, 1))
+
+    @pytest.mark.skipif(sys.version_info < (3, 12),
+                        reason="before Python 3.12 the skip is a line tracer (sys.settrace)")
+    def test_threads_starting_the_first_traces_at_once(self, seq):
+        """The process's first skip claims a sys.monitoring tool id. Threads making their first
+        traces at the same moment (each on its own copy of the model) each saw the id free and
+        claimed it, and all but one raised ValueError('tool 4 is already in use') from the
+        with line. Each thread's saved value is the plain forward's. (The state of a process
+        that has made no trace yet is set up again each round: the id given back.)"""
+        import copy
+        import threading
+
+        from nnsight_lite.capture import skip
+
+        x = torch.randn(2, 6)
+        models = [NNsight(copy.deepcopy(seq)) for _ in range(6)]
+        errors, outs = [], []
+
+        def run(model, barrier):
+            barrier.wait()
+            try:
+                with model.trace(x):
+                    out = model[1].output.save()
+                outs.append((out, expected(model._module, x, 1)))
+            except BaseException as err:  # noqa: BLE001 - reported below
+                errors.append(err)
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # (threads switch often: the race shows within rounds)
+        try:
+            for _ in range(60):
+                if skip._tool:
+                    sys.monitoring.free_tool_id(skip._tool)
+                skip._tool = None
+                barrier = threading.Barrier(len(models))
+                threads = [threading.Thread(target=run, args=(m, barrier)) for m in models]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                assert errors == []
+        finally:
+            sys.setswitchinterval(interval)
+        assert len(outs) == 60 * len(models)
+        for out, want in outs:
+            torch.testing.assert_close(out, want)
