@@ -234,13 +234,24 @@ class CacheView(Mapping):
 
     @property
     def _root(self) -> "Envoy | None":
-        """The model's Envoy while it lives (held weakly), else None."""
+        """The model's Envoy while it lives (held weakly); where that wrapper is gone but its
+        module lives (a helper made ``NNsight(net)`` and returned the cache), a plain Envoy
+        of the module with the wrapper's aliases; else None."""
         ref = self._root_ref
-        return ref() if ref is not None else None
+        if ref is None:
+            return None
+        root = ref()
+        if root is None:
+            module = self._module_ref()
+            if module is not None:
+                root = Envoy(module, "model", self._tree)
+        return root
 
     @_root.setter
     def _root(self, model: "Envoy | None") -> None:  # (`view._root = model` re-attaches one)
         self._root_ref = weakref.ref(model) if model is not None else None
+        self._module_ref = weakref.ref(model._module) if model is not None else None
+        self._tree = model._tree if model is not None else None  # (names only, no module)
 
     # ---- mapping by path
 

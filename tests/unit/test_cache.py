@@ -574,3 +574,22 @@ def test_readme_cache_example_runs(tmp_path, capsys):
     assert list(ns["cache"].keys()) == ["model.0", "model.1", "model.2", "model"]
     assert (ns["cache"]["model.1"].output[:, 0] == 0).all()
     assert "['model.0', 'model.1', 'model.2', 'model']" in capsys.readouterr().out
+
+
+def test_a_cache_returned_by_a_helper_navigates_while_the_module_lives(seq):
+    """A helper that wraps the module itself and returns the cache (``model = NNsight(net)``
+    inside it): the NNsight wrapper is gone once it returns, but the user still holds the
+    module, so navigation by attribute works, as it did before the view held its model weakly
+    (it said "the model is gone"). Ground truth: the module's plain outputs."""
+
+    def run_with_cache(net, x):
+        model = NNsight(net)
+        with model.trace(x) as tracer:
+            cache = tracer.cache()
+        return cache
+
+    x = torch.randn(2, 6)
+    cache = run_with_cache(seq, x)
+    torch.testing.assert_close(cache.model[1].output, seq[:2](x))
+    torch.testing.assert_close(cache.output, seq(x))
+    torch.testing.assert_close(cache["model.0"].output, seq[0](x))
