@@ -39,7 +39,7 @@ def _leftovers():
                 bad.append(f"hook left on {type(m).__name__}")
     bad.extend(suspended_bodies())
     if _skips_pending:  # (Python 3.12+: a with-body's skip still armed on a code object)
-        bad.append(f"body skips left armed on {[c.co_name for c in _skips_pending]}")
+        bad.append(f"body skips left armed on {[c.co_name for c, _ in _skips_pending.values()]}")
     return bad
 
 

@@ -99,9 +99,11 @@ _TOOL_NAME = "nnsight_lite"
 #: the sys.monitoring tool id the skips use: None until the first skip claims one, False where
 #: this Python has no sys.monitoring or every id we may take is another tool's (line tracer then)
 _tool = None if _MON is not None else False
-#: code object -> {frame: the body's first line} for the with-statements in that code waiting
-#: to skip their body (a code object's LINE events reach every frame running it: the recursion
-#: of a function, other threads)
+#: id(code object) -> (the code, {frame: the body's first line}) for the with-statements in that
+#: code waiting to skip their body (a code object's LINE events reach every frame running it:
+#: the recursion of a function, other threads). Keyed by id: a code object's hash is computed
+#: anew at every use (its name, constants, bytecode...: ~500 instructions on 3.12), and the
+#: entry holds the code, so the id stays its own while the entry exists.
 _pending: dict = {}
 _MONITORED = object()  # the first item of a skip_body token on the sys.monitoring path
 _LINE = _MON.events.LINE if _MON is not None else 0
@@ -112,10 +114,10 @@ _lock = Lock()  # (arming, dropping and claiming the tool id, across threads)
 
 def _on_line(code, line):
     """The LINE callback: ``SkipBody`` where the frame is at the body it waits for."""
-    waiting = _pending.get(code)
-    if waiting:
+    entry = _pending.get(id(code))
+    if entry is not None:
         frame = sys._getframe(1)  # (the frame the event is for)
-        body_line = waiting.get(frame)
+        body_line = entry[1].get(frame)
         if body_line is not None and line >= body_line:
             _drop(code, frame)
             raise SkipBody
@@ -142,9 +144,9 @@ def _claim_tool():
 
 def _drop(code, frame) -> None:
     with _lock:
-        waiting = _pending.get(code)
-        if waiting is not None and waiting.pop(frame, None) is not None and not waiting:
-            del _pending[code]
+        entry = _pending.get(id(code))
+        if entry is not None and entry[1].pop(frame, None) is not None and not entry[1]:
+            del _pending[id(code)]
             _MON.set_local_events(_tool, code, 0)
 
 
@@ -164,12 +166,12 @@ def skip_body(frame: FrameType, skipper: Skipper):
         if _tool is not False:
             code = frame.f_code
             with _lock:
-                waiting = _pending.get(code)
-                if waiting is None:
-                    _pending[code] = {frame: skipper.body_line}
+                entry = _pending.get(id(code))
+                if entry is None:
+                    _pending[id(code)] = (code, {frame: skipper.body_line})
                     _MON.set_local_events(_tool, code, _LINE)
                 else:
-                    waiting[frame] = skipper.body_line
+                    entry[1][frame] = skipper.body_line
             return (_MONITORED, frame, code)
     token = (sys.gettrace(), frame, frame.f_trace)
     frame.f_trace = skipper
