@@ -20,7 +20,7 @@ Example::
         out = model.output.save()
 """
 
-from . import errors
+from . import errors, intervention, modeling  # (nnsight's module paths: intervention.envoy...)
 from .compat import CONFIG, NNsightDeprecationWarning, apply
 from .envoy import Envoy, save
 from .errors import (
@@ -67,6 +67,8 @@ __all__ = [
     "CONFIG",
     "NNsightDeprecationWarning",
     "errors",
+    "intervention",
+    "modeling",
     "NNsightError",
     "OutOfOrderError",
     "MissedModuleError",

@@ -6,3 +6,7 @@ import LanguageModel`` runs with ``nnsight`` changed to ``nnsight_lite``.
     transformers.TransformersModel  nnsight 0.8's name for the Hugging Face wrapper
     transformers.WrapperModule      an identity module: a value routed through it is an .output
 """
+
+from . import base, language, transformers  # (attributes after ``import nnsight_lite``)
+
+__all__ = ["base", "language", "transformers"]

@@ -217,3 +217,22 @@ def test_a_stepped_iter_slice_reads_every_other_call():
     assert steps == [0, 2]
     assert torch.equal(outs[0], seen[0]) and torch.equal(outs[1], seen[2])
     assert torch.equal(out, plain_out)
+
+
+def test_nnsight_module_paths_are_attributes_after_the_top_import():
+    """nnsight code reaches its classes by attribute after ``import nnsight`` alone
+    (``nnsight.intervention.envoy.Envoy`` in an isinstance check); so does nnsight_lite's, in a
+    fresh interpreter (this process has imported the subpackage already)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import nnsight_lite\n"
+        "assert nnsight_lite.intervention.envoy.Envoy is nnsight_lite.Envoy\n"
+        "assert nnsight_lite.intervention.interleaver.OutOfOrderError is "
+        "nnsight_lite.OutOfOrderError\n"
+        "assert nnsight_lite.modeling.language.LanguageModel is nnsight_lite.LanguageModel\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
