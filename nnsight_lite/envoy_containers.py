@@ -91,8 +91,10 @@ class Containers:
             return sub
         children = self._module._modules
         name = next((n for n, m in children.items() if m is sub), None)
-        if name is not None:
-            env = self._sub(name, f"{self._path}[{key!r}]")
+        if name is not None:  # (an int key is labelled by the child's own index: h[-1] and
+            # h[11] are one Envoy, named model.h[11] whichever the body wrote first)
+            label = name if isinstance(key, int) and name.isdigit() else repr(key)
+            env = self._sub(name, f"{self._path}[{label}]")
         else:
             env = self._child(sub, str(key), f"{self._path}[{key!r}]")
         if name is not None:

@@ -23,7 +23,10 @@ class TestTree:
         assert isinstance(model.layers, Envoy)
         assert model.layers[0]._module is net.layers[0]
         assert model.layers[-1]._module is net.layers[2]
-        assert model.layers[-1]._path == "model.layers[-1]"
+        assert model.layers[-1]._path == "model.layers[2]"
+        # (labelled by the child's index whichever index reached it first: one Envoy, one name)
+        again = NNsight(net)
+        assert again.layers[2] is again.layers[-1] and again.layers[2]._path == "model.layers[2]"
         assert [e._module for e in model.layers] == list(net.layers)
         assert len(model.layers) == 3
         assert [e._module for e in model.layers[0:2]] == list(net.layers[0:2])
