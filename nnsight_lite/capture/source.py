@@ -115,10 +115,24 @@ def _entered_by_with(frame: FrameType) -> bool:
     return not 0 <= i < len(code) or code[i] in _WITH_OPS
 
 
-#: compiled body (and every function in it) -> the proven source lines it was compiled from:
-#: a with-block nested in a body runs in a worker greenlet, whose frames do not lead back to
-#: the caller's (an IPython magic's cell, say), so the body remembers its source.
-_body_sources: "weakref.WeakKeyDictionary[CodeType, list]" = weakref.WeakKeyDictionary()
+#: id(compiled body, or a function in it) -> (weak reference to that code, the proven source
+#: lines it was compiled from): a with-block nested in a body runs in a worker greenlet, whose
+#: frames do not lead back to the caller's (an IPython magic's cell, say), so the body
+#: remembers its source. Keyed by identity: code objects compare equal without their file, so
+#: a body compiled again from the same text elsewhere (a function defined again in another
+#: cell or file) would read, and replace, another body's entry, which then went with that body.
+_body_sources: "dict[int, tuple]" = {}
+
+
+class _CodeRef(weakref.ref):
+    __slots__ = ("key",)
+
+
+def _forget(ref: _CodeRef, _body_sources=_body_sources) -> None:
+    """Drop the entry of a code object that is gone (a weak reference's callback)."""
+    entry = _body_sources.get(ref.key)
+    if entry is not None and entry[0] is ref:
+        del _body_sources[ref.key]
 
 
 def remember_source(code: CodeType, lines: list) -> None:
@@ -126,12 +140,23 @@ def remember_source(code: CodeType, lines: list) -> None:
     stack = [code]
     while stack:
         c = stack.pop()
-        _body_sources[c] = lines
+        ref = _CodeRef(c, _forget)
+        ref.key = id(c)
+        _body_sources[ref.key] = (ref, lines)
         stack.extend(k for k in c.co_consts if isinstance(k, CodeType))
 
 
+def body_source(code: CodeType) -> "list | None":
+    """The source lines ``code`` (a compiled body, or a function in it) was compiled from, or
+    None where it is not a compiled body."""
+    entry = _body_sources.get(id(code))
+    if entry is None or entry[0]() is not code:
+        return None
+    return entry[1]
+
+
 def _candidates(frame: FrameType, filename: str):
-    remembered = _body_sources.get(frame.f_code)
+    remembered = body_source(frame.f_code)
     if remembered is not None:
         yield "body", remembered, None
     program = _dash_c_program() if filename == "<string>" else None

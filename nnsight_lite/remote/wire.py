@@ -33,7 +33,7 @@ from collections import OrderedDict
 import cloudpickle
 
 from ..cache_view import CacheView
-from ..capture.source import _body_sources
+from ..capture.source import body_source
 from ..envoy import Envoy
 from ..errors import RemoteError
 
@@ -229,7 +229,7 @@ def shipped_block(body) -> Block:
 
 
 def _make_block(body, first: int, last: int) -> Block:
-    lines = _body_sources.get(body.code)
+    lines = body_source(body.code)
     if lines is None:  # pragma: no cover - every compiled body remembers its source
         raise RemoteError(f"the source of the block at {body.filename}:{first} is not known")
     span = lines[first - 1:last]

@@ -488,3 +488,49 @@ def test_cell_magics_in_a_real_kernel(tmp_path):
             os.environ["PYTHONPATH"] = old
     out = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
     assert "magics ran in the kernel" in out
+
+
+_TWICE = """
+def run(model, x, remote):
+    with model.trace(x, remote=remote):
+        out = model.output.save()
+    return out
+"""
+
+
+def _define_run(filename):
+    """``run`` of ``_TWICE`` compiled under ``filename`` (registered in linecache): the same
+    function defined again in another cell or file, whose code objects compare equal (==)
+    to the other's, since code objects compare without their file."""
+    linecache.cache[filename] = (len(_TWICE), None, _TWICE.splitlines(True), filename)
+    scope = {"__name__": "__cell__"}
+    exec(compile(_TWICE, filename, "exec"), scope)
+    return scope["run"]
+
+
+class TestBodiesCompiledAgain:
+    def test_a_body_keeps_its_source_when_an_equal_body_is_freed(self, seq):
+        """Two definitions of one function from identical text in two files compile equal
+        bodies. A body remembers the source it was compiled from (what a remote trace ships);
+        that record was kept per code object by ==, so the second body's source was stored
+        under the first body's entry and went with it: once the first function was dropped, a
+        remote trace of the second raised RemoteError 'the source of the block at
+        <nnsight-lite-test-run-b>:3 is not known'."""
+        import gc
+        import weakref
+
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        names = ("<nnsight-lite-test-run-a>", "<nnsight-lite-test-run-b>")
+        try:
+            first, second = (_define_run(name) for name in names)
+            torch.testing.assert_close(first(model, x, False), seq(x))
+            torch.testing.assert_close(second(model, x, False), seq(x))
+            gone = weakref.ref(first.__code__)
+            del first
+            gc.collect()
+            assert gone() is None
+            torch.testing.assert_close(second(model, x, "local"), seq(x))
+        finally:
+            for name in names:
+                linecache.cache.pop(name, None)
