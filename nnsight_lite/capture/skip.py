@@ -165,18 +165,33 @@ def skip_body(frame: FrameType, skipper: Skipper):
                     _tool = _claim_tool()  # (the first skip; or another tool took our id)
         if _tool is not False:
             code = frame.f_code
-            with _lock:
-                entry = _pending.get(id(code))
-                if entry is None:
-                    _pending[id(code)] = (code, {frame: skipper.body_line})
-                    _MON.set_local_events(_tool, code, _LINE)
-                else:
-                    entry[1][frame] = skipper.body_line
-            return (_MONITORED, frame, code)
+            # An exception delivered once the skip is armed (KeyboardInterrupt from a signal
+            # handler, a remote time limit's stop: both arrive as a call returns, here
+            # set_local_events's or the lock's, below settrace's) propagates from __enter__, so
+            # no __exit__ undoes the skip: it is undone here. Left armed, the frame stayed in
+            # _pending for good (3.12+; before, the thread's tracer stayed set), and raised
+            # SkipBody at the next line it ran past the body's first line: in the user's
+            # ``except KeyboardInterrupt:`` around the with-statement.
+            try:
+                with _lock:
+                    entry = _pending.get(id(code))
+                    if entry is None:
+                        _pending[id(code)] = (code, {frame: skipper.body_line})
+                        _MON.set_local_events(_tool, code, _LINE)
+                    else:
+                        entry[1][frame] = skipper.body_line
+                return (_MONITORED, frame, code)
+            except BaseException:
+                _drop(code, frame)
+                raise
     token = (sys.gettrace(), frame, frame.f_trace)
-    frame.f_trace = skipper
-    sys.settrace(token[0] or _no_global_trace)
-    return token
+    try:
+        frame.f_trace = skipper
+        sys.settrace(token[0] or _no_global_trace)
+        return token
+    except BaseException:  # (as above)
+        restore_tracing(token)
+        raise
 
 
 #: frame -> the context entered in it whose with-block that frame's next ``INLINE_NAME()`` check

@@ -644,3 +644,40 @@ class TestSkippingTheBody:
         assert len(outs) == 60 * len(models)
         for out, want in outs:
             torch.testing.assert_close(out, want)
+
+    def test_an_interrupt_as_the_skip_is_armed_leaves_nothing_armed(self, model, seq):
+        """A KeyboardInterrupt (a signal handler's; a remote time limit's stop arrives the same
+        way) delivered as the call that arms the body's skip returns propagates from
+        ``__enter__``, with no ``__exit__`` to undo the skip. The frame stayed armed: the user's
+        ``except KeyboardInterrupt:`` around the block got SkipBody raised from its first line,
+        and the frame was kept for good (3.12+; before, the thread's line tracer stayed set).
+        Here a profile function raises the interrupt at that call's return, where a real
+        SIGINT lands about once in a few hundred interrupts of traces in a loop."""
+        from nnsight_lite.capture import skip
+
+        x = torch.randn(2, 6)
+        monitored = skip._tool is not False and sys.gettrace() is None
+        arm = sys.monitoring.set_local_events if monitored else sys.settrace
+
+        def interrupt(frame, event, arg):
+            if event == "c_return" and arg is arm and frame.f_code.co_name == "skip_body":
+                sys.setprofile(None)
+                raise KeyboardInterrupt
+
+        def run():
+            try:
+                with model.trace(x):
+                    out = model[1].output.save()
+                return out
+            except KeyboardInterrupt:
+                return "interrupted"
+
+        tracer = sys.gettrace()
+        sys.setprofile(interrupt)
+        try:
+            got = run()
+        finally:
+            sys.setprofile(None)
+        assert got == "interrupted"
+        assert sys.gettrace() is tracer and not skip._pending
+        torch.testing.assert_close(run(), expected(seq, x, 1))
