@@ -23,6 +23,7 @@ import weakref
 
 import torch
 
+from .capture.parsing import parse
 from .calls import traced_slot
 from .errors import SourceUnavailableError
 from .opnames import numbered_like_08
@@ -211,7 +212,7 @@ def compiled(func: types.FunctionType) -> Compiled:
         ) from None
     first = max(first, 1)
     text = textwrap.dedent("".join(lines))
-    tree = ast.parse(text)
+    tree = parse(text)
     ast.increment_lineno(tree, first - 1)
     fdef = tree.body[0]
     if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -224,7 +225,7 @@ def compiled(func: types.FunctionType) -> Compiled:
     rw = _Rewriter(numbered_08)
     fdef = rw.visit(fdef)
     params = ", ".join((HELPER,) + code.co_freevars)
-    shell = ast.parse(f"def __nnsight_shell__({params}):\n    pass").body[0]
+    shell = parse(f"def __nnsight_shell__({params}):\n    pass").body[0]
     shell.body = [fdef, ast.Return(ast.Name(fdef.name, ast.Load()))]
     module = ast.Module(body=[shell], type_ignores=[])
     ast.fix_missing_locations(module)

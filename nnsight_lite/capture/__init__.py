@@ -3,6 +3,7 @@
 One job per module:
 
     source.py   find the with-statement's source
+    parsing.py  ``parse``: ast.parse that threads can call at once (CPython 3.11.0-3.11.7)
     proof.py    prove that source is the running code (its bytecode against the frame's)
     rewrite.py  what a body is compiled into (``x.save()``, ``x.grad``, nested with-blocks)
     body.py     ``find_body(frame)``: the compiled body of a call site (cached); ``names_read``

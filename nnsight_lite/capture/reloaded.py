@@ -19,6 +19,8 @@ import ast
 import textwrap
 import warnings
 
+from .parsing import parse
+
 _CLASS = "__autoreload_class__"  # the class IPython compiles an edited method in
 
 
@@ -30,7 +32,7 @@ def reloaded_defs(code, lines):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tree = ast.parse("".join(lines))
+            tree = parse("".join(lines))
     except (SyntaxError, ValueError):
         return
     if parts[0] != _CLASS:

@@ -40,6 +40,7 @@ from collections import OrderedDict
 from types import CodeType, FrameType
 
 from ..errors import NoSourceError, SourceUnavailableError, WithBlockNotFoundError
+from .parsing import parse
 from .proof import code_signature, compiled_variants
 from .reloaded import reloaded_defs
 
@@ -59,7 +60,7 @@ def _parse(source: str, filename: str):
         try:
             with warnings.catch_warnings():  # the import already showed the user any
                 warnings.simplefilter("ignore")  # SyntaxWarning (say, an invalid escape)
-                tree = ast.parse(source, filename)
+                tree = parse(source, filename)
         except SyntaxError as exc:
             tree = exc
         _trees[key] = tree

@@ -13,10 +13,10 @@ so one request's mistake fails only that request, with its own error and line.
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import builtins
 
+from ..capture.parsing import parse
 from ..errors import RemoteError, ResultTooLargeError
 from . import wire
 from .execute import Deadline, compile_body, compiled, describe, execute
@@ -140,7 +140,7 @@ def run_batched(model, requests: list, time_limit) -> list:
     invokes = []
     for request, end in zip(requests, ends):
         _, synthetic = compiled(request["source"], request["filename"])
-        tail = ast.parse(f"{_COLLECT}(locals())").body
+        tail = parse(f"{_COLLECT}(locals())").body
         code = compile_body(request["source"], synthetic, request["lineno"], tail)
         args, kwargs = request["inputs"]
         snapshot = dict(request["values"], **{_COLLECT: end.update})

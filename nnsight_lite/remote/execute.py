@@ -29,6 +29,7 @@ import traceback
 from collections import OrderedDict
 
 from ..capture.body import forget_namespace
+from ..capture.parsing import parse
 from ..capture.rewrite import rewrite_body
 from ..capture.source import remember_source, with_at
 from ..errors import PolicyError, RemoteTimeoutError
@@ -61,7 +62,7 @@ def compiled(source: str, filename: str):
 def compile_body(source: str, filename: str, lineno: int, tail: "list | None" = None):
     """The body of the with-statement at ``lineno`` of ``source``, compiled as capture compiles
     a body (``x.save()`` and nested blocks rewritten), plus the statements ``tail``."""
-    tree = ast.parse(source, filename)
+    tree = parse(source, filename)
     node = with_at(tree, lineno)
     stmts = rewrite_body(copy.deepcopy(node.body)) + list(tail or ())
     module = ast.Module(body=stmts, type_ignores=[])

@@ -36,6 +36,7 @@ from typing import Iterable
 
 import torch
 
+from ..capture.parsing import parse
 from ..errors import PolicyError
 
 SAFE_BUILTINS = frozenset({
@@ -75,7 +76,7 @@ def check_body(source: str, filename: str = "<body>", first_line: int = 1,
     """
     allow = DEFAULT_ALLOW if allow is None else frozenset(allow)
     try:
-        tree = ast.parse(textwrap.dedent(source), filename)
+        tree = parse(textwrap.dedent(source), filename)
     except SyntaxError as err:
         raise PolicyError(f"{filename}:{first_line + (err.lineno or 1) - 1}: the body does not "
                           f"parse: {err.msg}") from None

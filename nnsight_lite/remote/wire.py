@@ -33,6 +33,7 @@ from collections import OrderedDict
 import cloudpickle
 
 from ..cache_view import CacheView
+from ..capture.parsing import parse
 from ..capture.source import body_source
 from ..envoy import Envoy
 from ..errors import RemoteError
@@ -237,7 +238,7 @@ def _make_block(body, first: int, last: int) -> Block:
     indent = head[: len(head) - len(head.lstrip())]
     text = "".join(ln[len(indent):] if ln.startswith(indent) else ln for ln in span)
     source = "\n" * (first - 1) + text
-    tree = ast.parse(source, body.filename)
+    tree = parse(source, body.filename)
     names = frozenset(
         n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
     )

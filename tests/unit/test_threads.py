@@ -162,3 +162,61 @@ def test_a_module_the_forward_runs_on_a_worker_thread_is_named_so():
                 hc = model.c.output.save()
     finally:
         net.pool.shutdown()
+
+
+def test_threads_capturing_sources_at_once_while_the_collector_runs(tmp_path):
+    """Threads whose first traces capture their sources at the same moment, with the garbage
+    collector running Python code (a gc callback) part way through: on CPython 3.11.0-3.11.7
+    one thread's ``ast.parse`` then moved the other's AST depth counter and the trace raised a
+    spurious ``SystemError: AST constructor recursion depth mismatch`` (CPython gh-106905).
+    nnsight_lite's parses take turns. Each thread checks its saved output against the plain
+    forward."""
+    import gc
+    import importlib.util
+    import sys
+
+    filler = "".join(f"def f{i}(a, b):\n    return [a + b * {i} for _ in range(3)]\n"
+                     for i in range(300))
+    body = ("def run(model, x):\n"
+            "    with model.trace(x):\n"
+            "        out = model.output.save()\n"
+            "    return out\n")
+    threads, rounds = 4, 6
+    mods = []
+    for k in range(threads * rounds):  # (a file each: every first trace parses its source)
+        path = tmp_path / f"captured_{k}.py"
+        path.write_text(filler + body)
+        spec = importlib.util.spec_from_file_location(f"captured_{k}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mods.append(mod)
+    errors = []
+
+    def collecting(phase, info):
+        sum(range(100))  # (Python code run by the collector: other threads may run here)
+
+    def work(mine):
+        net = torch.nn.Sequential(torch.nn.Linear(3, 3))
+        model, x = NNsight(net), torch.randn(2, 3)
+        try:
+            for mod in mine:
+                out = mod.run(model, x)
+                assert torch.equal(out, net(x))
+        except BaseException as exc:  # noqa: BLE001 - (reported below)
+            errors.append(exc)
+
+    interval, thresholds = sys.getswitchinterval(), gc.get_threshold()
+    gc.callbacks.append(collecting)
+    sys.setswitchinterval(1e-6)
+    gc.set_threshold(20)
+    try:
+        ts = [threading.Thread(target=work, args=(mods[i::threads],)) for i in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+    finally:
+        gc.callbacks.remove(collecting)
+        sys.setswitchinterval(interval)
+        gc.set_threshold(*thresholds)
+    assert not errors, errors
