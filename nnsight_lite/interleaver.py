@@ -30,13 +30,14 @@ import torch
 from . import batching, checkpointing
 from .capture import IterationEnd
 from .compiled import eager
-from .calls import Slot, traced_slot
+from .calls import Slot
 from .checkpointing import _top_hooks
 from .errors import OutsideTraceError
 from .hooked import ModuleCall, run_for_body
 from .install import _HELD_MAX, put_on, take_off
 from .source import keep_instrumented
 from .mediator import _DONE, _MISSING, INPUT, OUTPUT, Mediator
+from .messages import moved_message, other_model_message
 from .tracebacks import note_reshaped
 from .waits import BarrierWait, NameWait, StopTrace
 from .workers import (
@@ -46,7 +47,6 @@ from .workers import (
     set_tls_state,
     tls_state,
     unwind,
-    user_location,
 )
 
 
@@ -122,60 +122,8 @@ class Interleaver:
             find = getattr(type(envoy), "_slot_in", None)  # an operation (source.py)
             if find is not None:
                 return find(envoy, self)
-            moved = self._moved(envoy)
-            if moved is not None:
-                raise OutsideTraceError(moved)
-            raise OutsideTraceError(self._other_model(envoy))
+            raise OutsideTraceError(moved_message(self, envoy) or other_model_message(envoy))
         return slot
-
-    def _other_model(self, envoy) -> str:
-        """Why an Envoy of another model than this trace's cannot be read in its body."""
-        head = (f"{envoy._path} is not part of the model being traced here (at "
-                f"{user_location()}): a body reads the values of the model of the innermost "
-                "trace it is written in. ")
-        wrapped = traced_slot(envoy._module.__dict__.get("forward"))
-        if wrapped is not None and wrapped.live.inter is not None:  # its trace is open
-            return head + (
-                "A trace of that model is open around this one: read its values in that "
-                "trace's body, outside this inner `with` block (a name bound there can be used "
-                "in here).")
-        return head + (
-            "Read them in the body of a trace of that model, on a `with` line of its own (two "
-            "traces opened in one `with` statement share one body, which belongs to the last "
-            "of them).")
-
-    def _moved(self, envoy) -> "str | None":
-        """Why an Envoy of this trace's own model has no slot, when its module was replaced
-        or removed (None for an Envoy of another model)."""
-        d = envoy.__dict__
-        if self.home is None or d.get("_tree") is not self.home.get("_tree"):
-            return None
-        path, module = d["_path"], d["_module"]
-        try:
-            now = self.root.get_submodule(d["_mpath"])
-        except AttributeError:
-            now = None
-        where = user_location()
-        if now is module:
-            return (
-                f"{path} ({type(module).__name__}) was put into the model after this trace "
-                f"began, so the trace does not follow it (read at {where}). A trace follows the "
-                "modules its model holds when it starts: replace modules before the trace, and "
-                "read the new one in the next trace."
-            )
-        if now is not None:
-            return (
-                f"{path}, read at {where}, stands for the {type(module).__name__} that was at "
-                f"that place before it was replaced (the model holds "
-                f"{'another' if type(now) is type(module) else 'a'} {type(now).__name__} "
-                f"there now). An Envoy kept from before the replacement keeps the old module: "
-                f"read it through the model again ({path}) to reach the one there now."
-            )
-        return (
-            f"{path} ({type(module).__name__}), read at {where}, is no longer part of the "
-            "model: it was removed (or moved) after this Envoy was taken. Read the modules "
-            "the model holds now, print(model) shows them."
-        )
 
     # ---- running
 

@@ -5,6 +5,9 @@
     Mediator's             a module (or operation) that already ran, never ran, ran fewer times,
                            or an input used after .skip(): late_error, missed_error,
                            after_skip_error (methods of Mediator)
+    Interleaver.slot_of's  an Envoy the trace has no slot for: its module was replaced or
+                           removed (moved_message), or belongs to another model
+                           (other_model_message)
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from .errors import MissedModuleError, OutOfOrderError, OutsideTraceError
 from .workers import _getcurrent, user_location
 
 if TYPE_CHECKING:
+    from .interleaver import Interleaver
     from .mediator import Mediator
 
 
@@ -286,3 +290,57 @@ def missed_error(self: "Mediator"):
             "happened (check tracer.iter indices)"
         )
     return MissedModuleError(f"{self.label()} waited for {what} at {where}, but {reason}.")
+
+
+# ---- Interleaver.slot_of's: an Envoy the running trace has no slot for
+
+def other_model_message(envoy) -> str:
+    """Why an Envoy of another model than the trace's cannot be read in its body."""
+    from .calls import traced_slot  # (calls.py imports mediator.py, which imports this)
+
+    head = (f"{envoy._path} is not part of the model being traced here (at "
+            f"{user_location()}): a body reads the values of the model of the innermost "
+            "trace it is written in. ")
+    wrapped = traced_slot(envoy._module.__dict__.get("forward"))
+    if wrapped is not None and wrapped.live.inter is not None:  # its trace is open
+        return head + (
+            "A trace of that model is open around this one: read its values in that "
+            "trace's body, outside this inner `with` block (a name bound there can be used "
+            "in here).")
+    return head + (
+        "Read them in the body of a trace of that model, on a `with` line of its own (two "
+        "traces opened in one `with` statement share one body, which belongs to the last "
+        "of them).")
+
+def moved_message(inter: "Interleaver", envoy) -> "str | None":
+    """Why an Envoy of the model ``inter`` traces has no slot there, when its module was
+    replaced or removed (None for an Envoy of another model)."""
+    d = envoy.__dict__
+    if inter.home is None or d.get("_tree") is not inter.home.get("_tree"):
+        return None
+    path, module = d["_path"], d["_module"]
+    try:
+        now = inter.root.get_submodule(d["_mpath"])
+    except AttributeError:
+        now = None
+    where = user_location()
+    if now is module:
+        return (
+            f"{path} ({type(module).__name__}) was put into the model after this trace "
+            f"began, so the trace does not follow it (read at {where}). A trace follows the "
+            "modules its model holds when it starts: replace modules before the trace, and "
+            "read the new one in the next trace."
+        )
+    if now is not None:
+        return (
+            f"{path}, read at {where}, stands for the {type(module).__name__} that was at "
+            f"that place before it was replaced (the model holds "
+            f"{'another' if type(now) is type(module) else 'a'} {type(now).__name__} "
+            f"there now). An Envoy kept from before the replacement keeps the old module: "
+            f"read it through the model again ({path}) to reach the one there now."
+        )
+    return (
+        f"{path} ({type(module).__name__}), read at {where}, is no longer part of the "
+        "model: it was removed (or moved) after this Envoy was taken. Read the modules "
+        "the model holds now, print(model) shows them."
+    )
