@@ -2,14 +2,13 @@
 
     patched Tensor.backward   plain call: the original; ``with loss.backward(...):`` a Backward
     Backward                  the context: runs its body interleaved with one backward pass
-    read_grad / set_grad      what ``t.grad`` / ``t.grad = g`` mean inside a body
+    (``read_grad``/``set_grad``, what ``t.grad``/``t.grad = g`` mean inside a body, and
+    ``add_grad_hook``: grads.py; the errors of a backward body that are worded apart,
+    ``missed_error`` and Backward's error builders: backward_errors.py)
 
-(The errors of a backward body that are worded apart, ``missed_error`` and Backward's error
-builders, are in backward_errors.py.)
-
-Whether ``loss.backward()`` is used as a context manager is read from the caller's bytecode:
-the call is immediately followed by the with-statement's setup instruction. That look-up is
-cached per code object, so a plain ``loss.backward()`` pays about a microsecond.
+Whether ``loss.backward()`` is used as a context manager is read from the caller's bytecode
+(with_calls.py): the call is immediately followed by the with-statement's setup instruction.
+That look-up is cached per code object, so a plain ``loss.backward()`` pays about a microsecond.
 
 Inside the body, ``t.grad`` registers a hook on ``t`` and switches to the parent, which runs
 the backward; the hook switches back into the body with the gradient, and returns whatever
@@ -21,24 +20,18 @@ cannot be switched into from another thread, and autograd uses device threads fo
 from __future__ import annotations
 
 import contextvars
-import dis
 import functools
 import sys
-import warnings
-import weakref
-from collections import OrderedDict
 
-import greenlet
 import torch
 
-from .backward_errors import (_FREED, BackwardErrors, _describe, grad_expr, missed_error,
-                              no_grad_trace)
-from .capture import GRAD_NAME, SET_GRAD_NAME
-from .context import RUNTIME, BodyContext, body_job
-from .batching import merge
+from .backward_errors import _FREED, BackwardErrors, _describe, missed_error, no_grad_trace
+from .context import BodyContext, body_job
 from .errors import GradientError, OutOfOrderError
+from .grads import _rows_of, add_grad_hook
 from .mediator import _DONE
 from .waits import StopTrace
+from .with_calls import _called_as_context
 from .workers import (
     _FINISHED,
     _getcurrent,
@@ -53,56 +46,9 @@ from .workers import (
 )
 
 _original_backward = torch.Tensor.backward
-_Tensor = torch.Tensor
 # what torch.autograd.set_multithreading_enabled does, without building a context manager
 _is_multithreading = torch._C._is_multithreading_enabled
 _set_multithreading = torch._C._set_multithreading_enabled
-_CALLS = frozenset({"CALL", "CALL_KW", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW",
-                    "CALL_FUNCTION_EX", "PRECALL"})
-_WITH = frozenset({"BEFORE_WITH", "SETUP_WITH"})
-#: id(code) -> (weak reference to that code, its offsets): the code is held weakly, as plain
-#: backward keeps nothing of its caller (a step function a notebook defines again goes)
-_with_calls: dict = {}
-
-
-class _CodeRef(weakref.ref):
-    __slots__ = ("key",)
-
-
-def _forget(ref: _CodeRef, _with_calls=_with_calls) -> None:
-    """Drop the entry of a code object that is gone (a weak reference's callback)."""
-    entry = _with_calls.get(ref.key)
-    if entry is not None and entry[0] is ref:
-        del _with_calls[ref.key]
-
-
-def _with_call_offsets(code) -> frozenset:
-    """Offsets of call instructions whose result is entered as a context manager.
-
-    Every offset from the call up to the with-setup is included: while the call runs, the
-    frame's ``f_lasti`` may point at one of the call's inline cache entries (3.11+).
-    """
-    found = set()
-    prev = None
-    for ins in dis.get_instructions(code):
-        if ins.opname in _WITH and prev is not None:
-            found.update(range(prev, ins.offset, 2))
-        prev = ins.offset if ins.opname in _CALLS else None
-    return frozenset(found)
-
-
-def _called_as_context(frame) -> bool:
-    code = frame.f_code
-    entry = _with_calls.get(id(code))
-    if entry is not None and entry[0]() is code:
-        return frame.f_lasti in entry[1]
-    if len(_with_calls) > 4096:
-        _with_calls.clear()
-    offsets = _with_call_offsets(code)
-    ref = _CodeRef(code, _forget)
-    ref.key = id(code)
-    _with_calls[ref.key] = (ref, offsets)
-    return frame.f_lasti in offsets
 
 
 @functools.wraps(_original_backward)
@@ -114,111 +60,6 @@ def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=
 
 backward.__nnsight_lite__ = True
 torch.Tensor.backward = backward
-
-
-def _current_backward():
-    return getattr(_getcurrent(), "grads", None)
-
-
-class _HookHandle:
-    """Removes one hook that add_grad_hook put in a tensor's hook dict."""
-
-    __slots__ = ("hooks", "key")
-
-    def __init__(self, hooks, key):
-        self.hooks = hooks
-        self.key = key
-
-    def remove(self) -> None:  # idempotent; lets go of the hook (it refers to its owner)
-        hooks, self.hooks = self.hooks, None
-        if hooks is not None:
-            hooks.pop(self.key, None)
-            self.key = None
-
-
-def add_grad_hook(t, hook):
-    """``t.register_hook(hook)``, returning a handle whose ``remove()`` takes it off again.
-
-    For a plain tensor it does what ``Tensor.register_hook`` does (add ``hook`` to the tensor's
-    ``_backward_hooks`` dict, which torch calls as backprop reaches the tensor, creating and
-    attaching the dict the first time) without that method's per-call overhead: its
-    ``__torch_function__`` check, an import and a RemovableHandle, about half of what reading one
-    gradient costs. The hook is its own key, so it never collides with torch's integer ids.
-    Tensor subclasses go through ``register_hook`` itself (they may override it).
-    """
-    if type(t) is not _Tensor:
-        return t.register_hook(hook)
-    hooks = t._backward_hooks
-    if hooks is None:
-        hooks = t._backward_hooks = OrderedDict()
-        fn = t.grad_fn
-        if fn is not None:
-            fn._register_hook_dict(t)
-    hooks[hook] = hook
-    return _HookHandle(hooks, hook)
-
-
-def read_grad(t):
-    """``t.grad`` in a body: the gradient at the moment backprop reaches ``t``."""
-    ctx = _current_backward()
-    if ctx is not None:
-        return ctx.request(t)
-    if not isinstance(t, torch.Tensor) or t.is_leaf or t.retains_grad:
-        return t.grad
-    with warnings.catch_warnings():  # (torch warns at reading a non-leaf's grad: the error
-        warnings.simplefilter("ignore", UserWarning)  # below says more, or one was assigned)
-        grad = t.grad
-    if grad is not None:
-        return grad
-    where = user_location()
-    raise GradientError(
-        f".grad of an activation ({_describe(t)}) was read at {where} outside a "
-        "backward context. Activation gradients exist only while backprop runs: write\n"
-        f"    with loss.backward():\n        g = {grad_expr(where)}.grad.save()\n"
-        "(inside the trace or after it, on saved tensors) instead of calling loss.backward() "
-        "and reading .grad afterwards."
-    )
-
-
-def set_grad(t, value) -> None:
-    """``t.grad = value`` in a body: replace the gradient that flows on from ``t``."""
-    ctx = _current_backward()
-    if ctx is None:
-        if isinstance(t, torch.Tensor) and not t.is_leaf and not t.retains_grad:
-            where = user_location()
-            raise GradientError(
-                f".grad of an activation ({_describe(t)}) was assigned at {where} "
-                "outside a backward context, where it changes no gradient (torch would keep "
-                "it as a plain attribute that backprop never reads). Replace the gradient that "
-                "flows on from it while backprop runs:\n"
-                f"    with loss.backward():\n        {grad_expr(where)}.grad = new_grad\n"
-            )
-        t.grad = value
-        return
-    rows = _rows_of(t)
-    grad = ctx.request(t)
-    if grad is None and value is not None:
-        raise GradientError(
-            f".grad of a {_describe(t)} was set at {user_location()}, but backprop reached it "
-            "with no gradient (None: the operation that uses it gives it none, as a quantized "
-            "or otherwise non-differentiable op does), and autograd cannot replace a None "
-            "gradient with a tensor. Nothing flows on from it to edit."
-        )
-    if rows is None:
-        if value.__class__ is _Tensor and value.shape != grad.shape:  # (autograd refuses it)
-            raise GradientError(
-                f".grad of a {_describe(t)} was set at {user_location()} to a {_describe(value)}; "
-                f"the gradient that flows on from it must keep its shape {tuple(grad.shape)}. "
-                "Set a tensor of that shape, or edit the gradient in place (`h.grad[:] = ...`)."
-            )
-        ctx.cur_value = value
-    else:  # an invoke's rows of a batched activation: replace only those rows
-        full = ctx.cur_value
-        ctx.cur_value = merge(full, value, rows[1], rows[2], full.shape[0])
-
-
-RUNTIME[GRAD_NAME] = read_grad
-RUNTIME[SET_GRAD_NAME] = set_grad
 
 
 class Backward(BackwardErrors, BodyContext):
@@ -415,10 +256,6 @@ class Backward(BackwardErrors, BodyContext):
         g = self._greenlet
         where = user_location(g.gr_frame) if g.gr_frame is not None else "<unknown>"
         return missed_error(self._pending, where, self._args[3], self._last, self._loss)
-
-
-def _rows_of(t):
-    return getattr(t, "_nnsight_rows", None) if isinstance(t, torch.Tensor) else None
 
 
 def _seq_of(t):

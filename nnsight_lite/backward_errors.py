@@ -13,7 +13,8 @@
 
 Apart from backward.py because none of it runs while gradients flow: it only words what went
 wrong. It needs nothing of backward.py (a Backward's ``_runner`` and ``_args`` are read through
-``self``), so backward.py and nosource.py import from here and not the other way round.
+``self``), so backward.py, grads.py and nosource.py import from here and not the other way
+round.
 """
 
 from __future__ import annotations

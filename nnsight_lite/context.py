@@ -1,7 +1,7 @@
 """The with-statement plumbing every body context shares (trace, invoke, backward).
 
     BodyContext    __enter__ captures the body and arranges to skip it; __exit__ runs it
-    RUNTIME        the functions body rewrites call (save; backward.py adds grad/set_grad)
+    RUNTIME        the functions body rewrites call (save; grads.py adds grad/set_grad)
     body_job       what a worker greenlet runs for one body
 """
 

@@ -45,7 +45,6 @@ import weakref
 import torch
 
 from . import prompts
-from .backward import _called_as_context
 from .envoy import Envoy
 from .envoy_names import _module_first
 from .errors import InputError
@@ -54,6 +53,7 @@ from .lazy_weights import LazyWeights, _auto_class
 from .model import NNsight
 from .remote.hook import take_backend, wants_remote
 from .tracing import Tracer
+from .with_calls import _called_as_context
 
 _PROMPT_KWARGS = frozenset({"input_ids", "inputs_embeds"})  # (a mask alone is no prompt)
 

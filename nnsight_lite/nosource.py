@@ -36,16 +36,14 @@ import greenlet
 import torch
 
 from .backward import (
-    add_grad_hook,
     _is_multithreading,
     _original_backward,
     _seq_of,
     _set_multithreading,
     missed_error,
-    read_grad,
-    set_grad,
 )
 from .errors import GradientError, NoSourceError
+from .grads import add_grad_hook, read_grad, set_grad
 from .interleaver import Interleaver
 from .mediator import _DONE, Mediator
 from .scan import _run_fake
