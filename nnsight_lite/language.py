@@ -24,23 +24,14 @@ Keyword arguments the tokenizer understands (``max_length``, ``truncation``,
 forward (``trace``) or to HF ``generate`` (``generate``). A keyword given both to
 ``trace()``/``generate()`` and to an invoke applies to the whole batch with the call's value.
 
-Batching: every invoke gets the rows it would get tokenized on its own, padded to one length
-on the tokenizer's side, the left unless ``tokenizer_kwargs={"padding_side": "right"}`` (or
-``model.tokenizer.padding_side = "right"``) asks for the right, as in nnsight; on the left
-the last position holds every prompt's last token (text without tokenizer options
-goes through the tokenizer in one call for all invokes; token-id tensors are taken as they
-are). Where there is padding and the model's forward takes ``position_ids``, they are computed
-from the attention mask as HF ``generate`` does, so a prompt's activations do not depend on the
-other prompts of the batch (GPT-2's absolute position embeddings would otherwise shift with
-the padding).
+Batching (every invoke's rows padded to one length on the tokenizer's side, position ids
+from the mask where the forward takes them) is language_inputs.py's.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
-import weakref
 
 import torch
 
@@ -49,6 +40,7 @@ from .envoy import Envoy
 from .envoy_names import _module_first
 from .errors import InputError
 from .generation import Generator, _GeneratorEnvoy, _GeneratorOutput
+from .language_inputs import LanguageInputs
 from .lazy_weights import LazyWeights, _auto_class
 from .model import NNsight
 from .remote.hook import take_backend, wants_remote
@@ -76,7 +68,7 @@ def _keywords_only(call: str, inputs: tuple, kwargs: dict) -> bool:
     return True
 
 
-class LanguageModel(LazyWeights, NNsight):
+class LanguageModel(LazyWeights, LanguageInputs, NNsight):
     """A Hugging Face causal LM with its tokenizer, traced with ``with model.trace(prompt):``.
 
     Example::
@@ -298,67 +290,13 @@ class LanguageModel(LazyWeights, NNsight):
         self.dispatch()
         return self._module(*args, **kwargs)
 
-    # ---- inputs
-
-    def _prepare_inputs(self, *args, **kwargs):
-        """One invoke's prompt as ``((), {"input_ids", "attention_mask", ...}, rows)``."""
-        return prompts.prepare(self.tokenizer, args, kwargs)
-
-    def _batch_inputs(self, prepared: list):
-        """Left-pad every invoke's rows to one length and stack them (one forward); check the
-        ids against the vocabulary; move them to the input embedding's device."""
-        emb = self._input_embedding()
-        args, kwargs, sizes = prompts.batch(prepared, self._tokenizer,
-                                            getattr(emb, "num_embeddings", None),
-                                            self._takes_position_ids())
-        try:
-            device = emb.weight.device
-        except AttributeError:
-            return args, kwargs, sizes
-        if any(isinstance(v, torch.Tensor) and v.device != device for v in kwargs.values()):
-            kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                      for k, v in kwargs.items()}
-        return args, kwargs, sizes
+    # ---- pickling
 
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_emb_hit", None)  # (weak references: asked again after unpickling)
         state.pop("_pipe", None)  # (model.pipe's pipeline: made again when asked)
         return state
-
-    def _input_embedding(self):
-        """``get_input_embeddings()`` of the model (None where it has none), remembered while
-        every module on the path from the root to it is still the one there: a new embedding
-        (``set_input_embeddings``, ``resize_token_embeddings``), a replaced module on the way
-        or a new root asks the model again. Held by weak references only."""
-        root = self._module
-        hit = self.__dict__.get("_emb_hit")
-        if hit is not None and hit[0]() is root:
-            module = root
-            for name, ref in hit[1]:
-                module = module._modules.get(name)
-                if module is None or module is not ref():
-                    break
-            else:
-                return module
-        try:
-            emb = root.get_input_embeddings()
-        except (AttributeError, NotImplementedError):
-            emb = None
-        self.__dict__["_emb_hit"] = _path_refs(root, emb)
-        return emb
-
-    def _takes_position_ids(self) -> bool:
-        cls = type(self._module)
-        hit = self.__dict__.get("_pos_hit")
-        if hit is not None and hit[0] is cls:
-            return hit[1]
-        try:
-            takes = "position_ids" in inspect.signature(cls.forward).parameters
-        except (TypeError, ValueError):
-            takes = False
-        self.__dict__["_pos_hit"] = (cls, takes)
-        return takes
 
     # ---- generation
 
@@ -394,23 +332,6 @@ _ARCH_HINTS = {
               "model.transformer.h.",
     "model": "Llama-style models keep the decoder at model.model; GPT-2 at model.transformer.",
 }
-
-
-def _path_refs(root: torch.nn.Module, target) -> "tuple | None":
-    """``(weakref(root), ((name, weakref(child)), ...))`` along the path from ``root`` down to
-    the submodule ``target``; None where ``target`` is not in ``root``'s tree."""
-    if not isinstance(target, torch.nn.Module):
-        return None
-    for path, module in root.named_modules(remove_duplicate=False):
-        if module is target:
-            break
-    else:
-        return None
-    steps, module = [], root
-    for name in path.split(".") if path else ():
-        module = module._modules[name]
-        steps.append((name, weakref.ref(module)))
-    return weakref.ref(root), tuple(steps)
 
 
 __all__ = ["LanguageModel", "Generator"]
