@@ -3,7 +3,8 @@
     open_cache(tracer, ...)   what ``tracer.cache(...)`` does: attach an observer, return the view
     _Observer                 what records: waits where bodies wait, after every body
 
-The view users get, ``CacheView`` and its ``Entry`` records, is in cache_view.py.
+The view users get, ``CacheView`` and its ``Entry`` records, is in cache_view.py; resolving a
+module's key through the model's Envoys (``_native``), in cache_paths.py.
 
 How it is built: the cache is an observer waiting in the same tables a body waits in
 (``slot.wait_in`` / ``slot.wait_out``), for every call of every module it watches. It sorts
@@ -26,7 +27,8 @@ from .envoy import Envoy, save
 from .errors import CacheError, ModulePathError, OutsideTraceError
 from .mediator import _MISSING, INPUT, OUTPUT
 from .messages import backward_block_error, in_backward_block
-from .cache_view import CacheView, Entry, _dotted, _key, _native
+from .cache_paths import _dotted, _key, _native
+from .cache_view import CacheView, Entry
 from .calls import Slot
 from .workers import _getcurrent, user_location
 
