@@ -64,7 +64,7 @@ class _Plan:
         self.held = []
         # id(module) -> (weakref to it, names of its operations whose .source a body used):
         # the forwards earlier traces ran instrumented, instrumented from the start of later
-        # ones too (source.keep_instrumented), as nnsight keeps them
+        # ones too (source_run.keep_instrumented), as nnsight keeps them
         self.sourced = {}
 
     @property
@@ -323,7 +323,7 @@ def take_off(inter: "Interleaver") -> None:
         for d, name, env in held:
             if d.get(name) is env:
                 del d[name]
-    if inter.sources is not None:  # instrumented forwards (source.py) go first
+    if inter.sources is not None:  # instrumented forwards (source_run.py) go first
         inter.sources.close()
         inter.sources = None
     if inter._bulk is not None:

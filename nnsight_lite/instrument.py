@@ -4,8 +4,8 @@
 ``__nnsight_op__(i, f, a, k=v)``, where ``i`` numbers the call site; ``instrument(func, helper)``
 makes a function that runs that code with the original's globals, closure cells and defaults
 and ``helper`` for ``__nnsight_op__``. The code is compiled once per code object, inside a shell
-function whose parameters are the helper and the original's free variables. The helper, the
-operations' slots and the user-facing objects are in source.py.
+function whose parameters are the helper and the original's free variables. The helper and the
+operations' slots are in source_run.py, the user-facing objects in source.py.
 
 Names follow nnsight: the dotted callee joined by ``_`` plus a per-name index in the order
 calls are evaluated (inner calls first): ``self.c_proj(x)`` -> ``self_c_proj_0``,

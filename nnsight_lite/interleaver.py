@@ -35,7 +35,7 @@ from .checkpointing import _top_hooks
 from .errors import OutsideTraceError
 from .hooked import ModuleCall, run_for_body
 from .install import _HELD_MAX, put_on, take_off
-from .source import keep_instrumented
+from .source_run import keep_instrumented
 from .mediator import _DONE, _MISSING, INPUT, OUTPUT, Mediator
 from .messages import moved_message, other_model_message
 from .tracebacks import note_reshaped
@@ -90,7 +90,7 @@ class Interleaver:
         self.finished = False
         self.stopped_early = None  # where tracer.stop() ended the forward ("file:line")
         self.skipped = ()  # the slots a body's .skip() kept from running (for messages)
-        self.sources = None  # source.SourceRun: forwards running instrumented in this trace
+        self.sources = None  # source_run.SourceRun: forwards running instrumented in this trace
         self._bulk = None  # the plan's _Bulk when this trace swapped forwards all at once
         self.held = []  # (Envoy __dict__, child name, child Envoy) put there for this trace
         self.waited: list[Slot] = []  # the slots wait_table gave wait tables in this trace

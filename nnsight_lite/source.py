@@ -9,8 +9,7 @@
 
 These are views: they name operations and hand the interleaver each one's slot in the
 running trace (``OpEnvoy._slot_in``); source_run.py counts the calls and serves the bodies.
-``keep_instrumented``, which the interleaver calls at a trace's start, is source_run.py's
-(imported from here too).
+``keep_instrumented``, which the interleaver calls at a trace's start, is source_run.py's.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import weakref
 from .errors import ModulePathError, OutOfOrderError, SourceUnavailableError
 from .instrument import Compiled, _module_function, compiled
 from .mediator import INPUT, current_mediator
-from .source_run import OpSlot, keep_instrumented, run_of
+from .source_run import OpSlot, run_of
 from .workers import _getcurrent, user_location
 
 
@@ -285,4 +284,4 @@ def source_of(envoy) -> Source:
     return src
 
 
-__all__ = ["Source", "OpEnvoy", "FunctionSource", "source_of", "keep_instrumented"]
+__all__ = ["Source", "OpEnvoy", "FunctionSource", "source_of"]
