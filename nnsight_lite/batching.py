@@ -6,7 +6,8 @@
     concat_inputs(invoke_inputs)              one batch from several invokes' (args, kwargs)
 
 A tensor is "batch-shaped" when its first dimension equals the trace's total batch size; only
-those are sliced. Views from ``narrow`` share storage with the full tensor, so in-place edits
+those are sliced (and, in a ``generate`` with beams or several returned sequences, those whose
+rows are the batch's expanded by that factor: each invoke's rows' beams). Views from ``narrow`` share storage with the full tensor, so in-place edits
 made by a body land in the batch without copying.
 """
 
@@ -31,29 +32,55 @@ def _is_batch_tensor(x, total: int) -> bool:
         return False  # reaches every invoke whole, as any value not shaped by the batch
 
 
-def narrow(value: Any, start: int, size: int, total: int) -> Any:
-    """The rows ``start:start+size`` of every batch-shaped tensor inside ``value``.
+def _expanded_rows(x, start: int, size: int, total: int, factors) -> "tuple | None":
+    """Where ``x``'s first dimension is ``total * f`` for a factor ``f`` of ``factors`` (HF
+    ``generate`` expands each row into ``f`` adjacent rows for beams or returned sequences,
+    ``repeat_interleave``), the rows ``start:start+size`` cover there: ``(start*f, size*f)``;
+    else None."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return None
+    try:
+        n = x.shape[0]
+    except RuntimeError:  # (a nested tensor)
+        return None
+    for f in factors:
+        if n == total * f:
+            return start * f, size * f
+    return None
+
+
+def narrow(value: Any, start: int, size: int, total: int, factors=()) -> Any:
+    """The rows ``start:start+size`` of every batch-shaped tensor inside ``value``, and of
+    every tensor whose rows are the batch's expanded by one of ``factors`` (see
+    _expanded_rows): ``generate`` with beams gives each invoke its rows' beams.
 
     Each view remembers where it came from (``view._nnsight_rows = (base, start, size)``) so
     that ``view.grad`` in a backward body can answer with its rows of the base's gradient.
     """
     if isinstance(value, torch.Tensor):
         if not _is_batch_tensor(value, total):
-            return value
+            rows = _expanded_rows(value, start, size, total, factors) if factors else None
+            if rows is None:
+                return value
+            start, size = rows
         view = value[start:start + size]  # a view, like narrow(), and cheaper to make
         view._nnsight_rows = (value, start, size)
         return view
-    return _map(value, lambda t: narrow(t, start, size, total))
+    return _map(value, lambda t: narrow(t, start, size, total, factors))
 
 
-def merge(full: Any, part: Any, start: int, size: int, total: int) -> Any:
-    """``full`` with rows ``start:start+size`` of its batch-shaped tensors taken from ``part``.
+def merge(full: Any, part: Any, start: int, size: int, total: int, factors=()) -> Any:
+    """``full`` with rows ``start:start+size`` of its batch-shaped tensors taken from ``part``
+    (of its expanded ones, the rows those cover: see narrow).
 
     Built with ``torch.cat`` so autograd flows through both the kept and the replaced rows.
     """
     if isinstance(full, torch.Tensor):
         if not _is_batch_tensor(full, total):
-            return part
+            rows = _expanded_rows(full, start, size, total, factors) if factors else None
+            if rows is None:
+                return part
+            start, size = rows
         if not isinstance(part, torch.Tensor):
             part = torch.as_tensor(part, dtype=torch.float32 if full.is_quantized else full.dtype,
                                    device=full.device)
@@ -65,16 +92,17 @@ def merge(full: Any, part: Any, start: int, size: int, total: int) -> Any:
         pieces = [full[:start], part, full[start + size:]]
         return torch.cat([p for p in pieces if p.shape[0] > 0], 0)
     if isinstance(full, (tuple, list)) and isinstance(part, (tuple, list)) and len(full) == len(part):
-        merged = [merge(f, p, start, size, total) for f, p in zip(full, part)]
+        merged = [merge(f, p, start, size, total, factors) for f, p in zip(full, part)]
         return _rebuild_sequence(full, merged)
     if isinstance(full, dict) and isinstance(part, dict):
         out = _copy_mapping(full)
         for k, p in part.items():
-            out[k] = merge(full[k], p, start, size, total) if k in full else p
+            out[k] = merge(full[k], p, start, size, total, factors) if k in full else p
         return out
     if type(part) is type(full) and _is_dataclass_object(full):  # field by field
         return dataclasses.replace(full, **{
-            f.name: merge(getattr(full, f.name), getattr(part, f.name), start, size, total)
+            f.name: merge(getattr(full, f.name), getattr(part, f.name), start, size, total,
+                          factors)
             for f in dataclasses.fields(full) if f.init})
     return part
 
@@ -110,7 +138,8 @@ def entries(view: Any, depth: int = 3):
             for k, v in items}
 
 
-def merge_replaced(full: Any, view: Any, before, start: int, size: int, total: int) -> Any:
+def merge_replaced(full: Any, view: Any, before, start: int, size: int, total: int,
+                   factors=()) -> Any:
     """``full`` with the members the body replaced in its narrowed container ``view`` since
     ``before`` (``entries(view)``: ``view["h"] = x``, ``out.logits = x``, ``view[0] = x``,
     ``inputs[1]["mask"] = x``, at any level ``before`` covers) merged back into its rows."""
@@ -120,16 +149,16 @@ def merge_replaced(full: Any, view: Any, before, start: int, size: int, total: i
     for k, (old, inner) in before.items():
         now = _member(view, k)
         if now is not old:
-            updates[k] = merge(_member(full, k), now, start, size, total)
+            updates[k] = merge(_member(full, k), now, start, size, total, factors)
         elif inner is not None:
             sub = _member(full, k)
-            new = merge_replaced(sub, now, inner, start, size, total)
+            new = merge_replaced(sub, now, inner, start, size, total, factors)
             if new is not sub:
                 updates[k] = new
     if isinstance(view, dict):
         for k, v in view.items():
             if k not in before:  # a key the body added
-                updates[k] = merge(full[k], v, start, size, total) if k in full else v
+                updates[k] = merge(full[k], v, start, size, total, factors) if k in full else v
     return _with_members(full, updates) if updates else full
 
 

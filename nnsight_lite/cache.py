@@ -210,8 +210,8 @@ def _by_path(named: dict, path: str, model: Envoy) -> torch.nn.Module:
 class _Observer:
     """Waits in the wait tables like a body, but only records; sorts after every body."""
 
-    __slots__ = ("index", "records", "by_slot", "names", "total", "rows", "device", "dtype",
-                 "detach", "non_blocking", "skip_value", "inter")
+    __slots__ = ("index", "records", "by_slot", "names", "total", "factors", "rows", "device",
+                 "dtype", "detach", "non_blocking", "skip_value", "inter")
 
     switches = False  # it records in place: serving it switches to no body (see Interleaver)
 
@@ -221,6 +221,7 @@ class _Observer:
         self.by_slot = {}  # the same entries by Slot
         self.names = {}  # Slot -> its named_modules() path, each worked out once (_name_of)
         self.total = inter.total
+        self.factors = inter.row_factors  # (a generate's beams: see batching.narrow)
         self.inter = inter  # (whose wait tables it waits in; they hold it until the trace ends)
         self.rows = rows  # (start, size) of the invoke that opened it, or None (whole batch)
         self.device = torch.device(device) if device is not None else None
@@ -271,8 +272,13 @@ class _Observer:
         """``value`` as stored: this invoke's rows, detached, moved and cast as asked."""
         if isinstance(value, torch.Tensor):
             rows = self.rows
-            if rows is not None and batching._is_batch_tensor(value, self.total):
-                value = value[rows[0]:rows[0] + rows[1]]
+            if rows is not None:
+                if batching._is_batch_tensor(value, self.total):
+                    value = value[rows[0]:rows[0] + rows[1]]
+                elif self.factors:
+                    grown = batching._expanded_rows(value, *rows, self.total, self.factors)
+                    if grown is not None:
+                        value = value[grown[0]:grown[0] + grown[1]]
             if self.detach:
                 value = value.detach()
             dtype = self.dtype if self.dtype is not None and value.is_floating_point() else None

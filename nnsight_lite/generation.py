@@ -164,13 +164,14 @@ class Generator(Tracer):
         # reads model.generator.streamer, which runs once more than the model (the prompt, then
         # each new token), there is one more step for the last token's streamer call; a step
         # waiting for another module there ends the loop when generation ends
-        gen = self._gen_kwargs
-        n = gen.get("max_new_tokens")
-        for config in (gen.get("generation_config"),  # (as HF takes them: the call's first)
-                       getattr(self._model._module, "generation_config", None)):
-            if n is None:
-                n = getattr(config, "max_new_tokens", None)
+        n = self._setting("max_new_tokens")
         inter.steps = n + self._streams() if isinstance(n, int) else None
+        # HF generate expands each prompt's row into max(num_beams, num_return_sequences)
+        # adjacent rows for the forwards, and returns num_return_sequences rows a prompt: each
+        # invoke gets its prompts' rows of those (batching.narrow)
+        beams, seqs = (self._setting(k) for k in ("num_beams", "num_return_sequences"))
+        beams, seqs = (v if isinstance(v, int) and v > 1 else 1 for v in (beams, seqs))
+        inter.row_factors = tuple(f for f in dict.fromkeys((max(beams, seqs), seqs)) if f > 1)
         # HF generate runs the model under torch.no_grad(): the bodies start in that mode too,
         # as the model's own code would run them (a body kept in the trace's grad mode would
         # edit values the forward made without grad with grad on, and an in-place edit of a
@@ -182,6 +183,17 @@ class Generator(Tracer):
             inter.compiled = True
         with torch.no_grad():
             return super()._interleave(inter, made, args, kwargs)
+
+    def _setting(self, name: str):
+        """A generation setting as HF takes it: generate()'s keyword, else its
+        ``generation_config``'s, else the model's (None where none sets it)."""
+        gen = self._gen_kwargs
+        value = gen.get(name)
+        for config in (gen.get("generation_config"),
+                       getattr(self._model._module, "generation_config", None)):
+            if value is None:
+                value = getattr(config, name, None)
+        return value
 
     def _forward(self, inter, args: tuple, kwargs: dict):
         model = self._model

@@ -73,6 +73,9 @@ class Interleaver:
     grad_on = 0
     #: slot -> how a reentrant checkpoint wraps its calls (None: not), found once per trace
     no_grad_regions: "dict | None" = None
+    #: factors by which values' rows may be the batch's expanded (a generate's beams or returned
+    #: sequences: each row becomes that many adjacent ones); invokes get their rows' share
+    row_factors: tuple = ()
 
     def __init__(self, root: torch.nn.Module, total: int = 1, home: "dict | None" = None):
         self.root = root
@@ -376,7 +379,7 @@ class Interleaver:
             out = whole
             self.skipped = (*self.skipped, slot)
         for (start, size), part in partial:
-            out = batching.merge(out, part, start, size, self.total)
+            out = batching.merge(out, part, start, size, self.total, self.row_factors)
         return args, kwargs, out
 
 

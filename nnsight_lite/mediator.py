@@ -227,12 +227,13 @@ class Mediator:
     def serve(self, key, full, parent_state=None):
         """Give the body its view of ``full`` at ``key``; return ``full`` with its edits applied."""
         b = self.batch
-        total = self.interleaver.total
+        inter = self.interleaver
+        total = inter.total
         before = None
         if b is None:
             view = full
         else:
-            view = batching.narrow(full, b[0], b[1], total)
+            view = batching.narrow(full, b[0], b[1], total, inter.row_factors)
             if view.__class__ is not _Tensor:  # a narrowed copy of a container (or no
                 before = batching.entries(view)  # container: None)
         self.cur_key = key
@@ -244,11 +245,12 @@ class Mediator:
             self.cur_key = None
         if self.replaced:
             new = self.cur_value
-            full = new if b is None else batching.merge(full, new, b[0], b[1], total)
+            full = new if b is None else batching.merge(full, new, b[0], b[1], total,
+                                                        inter.row_factors)
         elif before is not None:  # members the body set on its copy go back into its rows
-            full = batching.merge_replaced(full, view, before, b[0], b[1], total)
+            full = batching.merge_replaced(full, view, before, b[0], b[1], total,
+                                           inter.row_factors)
         self.cur_value = None
-        inter = self.interleaver
         inter.register(self, req)
         if inter.name_waiters:
             inter.wake()
