@@ -10,11 +10,15 @@ operations' slots are in source_run.py, the user-facing objects in source.py.
 Names follow nnsight: the dotted callee joined by ``_`` plus a per-name index in the order
 calls are evaluated (inner calls first): ``self.c_proj(x)`` -> ``self_c_proj_0``,
 ``torch.matmul`` -> ``torch_matmul_0``, ``self.c_attn(x).split(...)`` -> ``self_c_attn_0_split_0``.
+An assignment is an operation too (each pair of ``a, b = c, d``), under nnsight 0.8's name for
+it (``h = h * 2`` -> ``h_1`` after an earlier ``h = ...``, see opnames.py), unless a call has
+that name here: its value is routed through the helper (``__nnsight_op__(i, None, value)``).
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import functools
 import inspect
 import textwrap
@@ -53,8 +57,8 @@ class Compiled:
         self.index = {n: i for i, n in enumerate(names)}
         #: nnsight 0.8's names of the same operations, where they differ (opnames.py)
         self.aliases = {a: n for a, n in (aliases or {}).items() if a not in self.index}
-        #: nnsight 0.8's names of assignments (``x = ...`` is ``x_0``), not operations here:
-        #: name -> line, for the error that says so (``unknown``)
+        #: nnsight 0.8's names of assignments that are no operations here (where a call has
+        #: the name, the call is meant): name -> line, for the error that says so (``unknown``)
         self.assigned = {a: line for a, line in (assigned or {}).items()
                          if a not in self.index and a not in self.aliases}
 
@@ -73,9 +77,9 @@ class Compiled:
         calls = [n for n, (start, end) in zip(self.names, self.spans) if start <= line <= end]
         there = (f" the calls on that line are {', '.join(calls)}: the last one's .output is "
                  "usually the value assigned;" if calls else "")
-        return (f" nnsight 0.8 names the assignment on line {line} ({text!r}) {name}, but "
-                f"operations here are calls only (assignments are not):{there} the operation "
-                "that uses the value next has it as its .input.")
+        return (f" nnsight 0.8 names the assignment on line {line} ({text!r}) {name}, which is "
+                f"no operation here:{there} the operation that uses the value next has it as "
+                "its .input.")
 
     def listing(self, title: str) -> str:
         """The source with each operation's name beside the line where its call starts."""
@@ -110,12 +114,44 @@ class Compiled:
 
 
 class _Rewriter(ast.NodeTransformer):
-    def __init__(self, numbered_08: dict):
+    def __init__(self, numbered_08: dict, statements_08: "dict | None" = None,
+                 calls: frozenset = frozenset()):
         self.counts: dict[str, int] = {}
         self.names: list[str] = []
         self.spans: list[tuple[int, int]] = []
         self.numbered_08 = numbered_08  # id(call node) -> nnsight 0.8's name (opnames.py)
         self.aliases: dict[str, str] = {}
+        # id(one-target assignment) -> its 0.8 name, made an operation unless ``calls`` (the
+        # names of the calls here) has that name
+        self.statements_08 = statements_08 or {}
+        self.calls = calls
+
+    def visit_Assign(self, node):
+        self.generic_visit(node)  # (its calls first: they run before the value is bound)
+        for path, name in self.statements_08.get(id(node), ()):
+            if name in self.calls:
+                continue
+            if not path:
+                node.value = self._assignment(name, node.value, node)
+                continue
+            seq = node.value  # (a pairwise ``a, b = c, d``: each element its own operation)
+            for k in path[:-1]:
+                seq = seq.elts[k]
+            seq.elts[path[-1]] = self._assignment(name, seq.elts[path[-1]], node)
+        return node
+
+    visit_AnnAssign = visit_Assign  # (only those with a value are in statements_08)
+
+    def _assignment(self, name: str, value, node) -> ast.Call:
+        """``value`` (of assignment ``node``) routed through the helper as operation ``name``,
+        whose "call" is the value itself (``fn`` None): its .input and .output are the value
+        assigned, and a body's replacement of the output is what gets bound."""
+        index = len(self.names)
+        self.names.append(name)
+        self.spans.append((node.lineno, node.lineno))
+        new = ast.Call(func=ast.Name(HELPER, ast.Load()),
+                       args=[ast.Constant(index), ast.Constant(None), value], keywords=[])
+        return ast.copy_location(new, value)
 
     def visit_Call(self, node: ast.Call):
         self.generic_visit(node)  # func, then args: inner calls are numbered first
@@ -220,9 +256,11 @@ def compiled(func: types.FunctionType) -> Compiled:
             f"the source found for {func.__qualname__} is not a function definition "
             f"({code.co_filename}:{first}); its operations cannot be traced"
         )
-    numbered_08, assigned_08 = numbered_like_08(fdef)
+    numbered_08, assigned_08, statements_08 = numbered_like_08(fdef)
     fdef.decorator_list = []  # the rewrite replaces the function the decorators wrapped
-    rw = _Rewriter(numbered_08)
+    calls = _Rewriter({})  # (the calls' names first: an assignment named like one is not an op)
+    calls.visit(copy.deepcopy(fdef))
+    rw = _Rewriter(numbered_08, statements_08, frozenset(calls.names))
     fdef = rw.visit(fdef)
     params = ", ".join((HELPER,) + code.co_freevars)
     shell = parse(f"def __nnsight_shell__({params}):\n    pass").body[0]

@@ -1,6 +1,7 @@
 """The names nnsight 0.8 gives a forward's call operations, so ``.source`` accepts them too.
 
-    numbered_like_08(fdef) -> ({id(call node): name}, {assignment's name: its line})
+    numbered_like_08(fdef) -> ({id(call node): name}, {assignment's name: its line},
+                               {id(assignment statement): [(where in its value, name)]})
 
 ``.source`` names a call ``<dotted callee>_<n>`` with ``n`` counting that callee's calls, and a
 chained call after the call it is chained to (``x.view(s).transpose(1, 2)`` ->
@@ -10,8 +11,10 @@ the same name (``attention_interface = get(...)`` is ``attention_interface_0``, 
 ``attention_interface(...)`` after it is ``attention_interface_1``), and a chained call is named
 by its trailing attributes only (``transpose_4``: the fifth ``.transpose(...)`` of the forward).
 Those names are accepted as aliases of the same call operations wherever they do not name
-another operation here (assignments are not operations here, so ``attention_interface_0``
-stays the call); an assignment's 0.8 name is kept with its line, for the error that says so.
+another operation here. An assignment (``x = ...``, ``self.x = ...``, ``x[i] = ...``, each pair
+of ``a, b = c, d``) is an operation too under its 0.8 name, where that is not the name of a call
+here (``attention_interface_0`` stays the call); those are kept with their line, for the error
+that says so.
 
 The numbering follows execution order: a call's callee and arguments are numbered before the
 call; an assignment's value before its targets, and the binding after both; ``a, b = c, d``
@@ -28,11 +31,13 @@ __all__ = ["numbered_like_08"]
 
 def numbered_like_08(fdef: ast.AST) -> tuple:
     """``{id(call node): nnsight 0.8's name}`` for every call in ``fdef`` (an unrewritten
-    function definition), and ``{0.8's name of an assignment: its line}``; every name in
-    order is in ``_Numbering.order``, for checking."""
+    function definition), ``{0.8's name of an assignment: its line}``, and ``{id(assignment
+    statement): [(path, 0.8 name)]}`` for what each statement binds, ``path`` the indices of
+    the value's element in nested tuples (``()``: the whole value); every name in order is in
+    ``_Numbering.order``, for checking."""
     numbering = _Numbering()
     numbering.visit(fdef)
-    return numbering.calls, numbering.bound
+    return numbering.calls, numbering.bound, numbering.statements
 
 
 class _Numbering(ast.NodeVisitor):
@@ -40,6 +45,7 @@ class _Numbering(ast.NodeVisitor):
         self.counts: dict[str, int] = {}
         self.calls: dict[int, str] = {}
         self.bound: dict[str, int] = {}  # an assignment's name -> the line of its target
+        self.statements: dict[int, list] = {}  # id(an assignment) -> [(path, name)]
         self.order: list[str] = []  # every name, calls and bindings, as numbered
 
     def _next(self, base: str) -> str:
@@ -62,23 +68,25 @@ class _Numbering(ast.NodeVisitor):
         for target in node.targets:
             self.visit(target)
         if len(node.targets) == 1:
-            self._bind(node.targets[0], node.value)
+            self._bind(node.targets[0], node.value, node)
 
     def visit_AnnAssign(self, node: ast.AnnAssign):
         if node.value is not None:
             self.visit(node.value)
-            self._bind(node.target, node.value)
+            self._bind(node.target, node.value, node)
 
-    def _bind(self, target, value) -> None:
+    def _bind(self, target, value, statement, path=()) -> None:
         if isinstance(target, (ast.Tuple, ast.List)):
             if (isinstance(value, (ast.Tuple, ast.List)) and len(target.elts) == len(value.elts)
                     and not any(isinstance(e, ast.Starred) for e in (*target.elts, *value.elts))):
-                for t, v in zip(target.elts, value.elts):
-                    self._bind(t, v)
+                for k, (t, v) in enumerate(zip(target.elts, value.elts)):
+                    self._bind(t, v, statement, (*path, k))
             return
         parts, rooted = _dotted(target)
         if rooted:
-            self.bound[self._next("_".join(parts))] = target.lineno
+            name = self._next("_".join(parts))
+            self.bound[name] = target.lineno
+            self.statements.setdefault(id(statement), []).append((path, name))
 
 
 def _dotted(expr) -> tuple:

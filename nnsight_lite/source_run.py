@@ -118,6 +118,11 @@ class SourceRun:
         self.inter = None
 
 
+def _value(value, /):
+    """An assignment operation's "call" (``fn`` None in the helper): the value assigned."""
+    return value
+
+
 def _make_helper(inter):
     """The ``__nnsight_op__`` of one instrumented function in one trace, and its table of
     operation slots (filled once the operations are named): counts each call of each
@@ -125,6 +130,8 @@ def _make_helper(inter):
     table = []
 
     def op(index, fn, /, *args, **kwargs):
+        if fn is None:  # an assignment (instrument._Rewriter._assignment)
+            fn = _value
         if _getcurrent() is not inter.runner:  # a body calling the module itself
             return fn(*args, **kwargs)
         slot = table[index]

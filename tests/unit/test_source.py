@@ -87,11 +87,13 @@ class TestNames:
     def test_names_follow_the_dotted_callee_with_a_per_name_index(self, block):
         """Names are the dotted callee joined by '_' plus an index per name; inner calls and
         method chains are named first (self.lin(torch.matmul(..)).sum -> ..._sum_0). Calls
-        that read their caller's frame (sys._getframe) are left alone."""
+        that read their caller's frame (sys._getframe) are left alone. An assignment of one
+        value to one name is an operation after the calls of its value, named as nnsight 0.8
+        names it (``h = ...`` the second time: h_1), as nnsight 0.8.1 lists this forward."""
         names = [op.name for op in NNsight(block).source]
-        assert names == ["self_frames_append_0", "self_lin_0", "torch_relu_0", "torch_relu_1",
-                         "torch_tanh_0", "scaled_scores_0", "torch_matmul_0", "self_lin_1",
-                         "self_lin_1_sum_0"]
+        assert names == ["self_frames_append_0", "self_lin_0", "h_0", "torch_relu_0",
+                         "torch_relu_1", "h_1", "torch_tanh_0", "h_2", "scaled_scores_0", "s_0",
+                         "torch_matmul_0", "self_lin_1", "self_lin_1_sum_0"]
         assert NNsight(block).source.names == names  # (nnsight's .source.names)
 
     def test_print_shows_each_name_beside_its_line(self, block):
@@ -164,32 +166,71 @@ class TestNnsight08Names:
 
     def test_names_here_win_and_the_listing_is_unchanged(self):
         """A name that is an operation here keeps meaning it (``act_0`` is the call, which
-        nnsight 0.8 names act_1, as 0.8's act_0 is an assignment); aliases are not listed."""
+        nnsight 0.8 names act_1, as 0.8's act_0 is the assignment ``act = torch.relu``, which is
+        then no operation here); aliases are not listed."""
         model = NNsight(Picker())
         names = [op.name for op in model.source]
-        assert names == ["self_lin_0", "act_0", "h_view_0", "h_view_0_transpose_0", "t_sum_0"]
+        assert names == ["self_lin_0", "act_0", "h_0", "h_view_0", "h_view_0_transpose_0",
+                         "t_0", "t_sum_0"]
         assert not any(ln.strip().startswith("transpose_0") for ln in str(model.source).splitlines())
         with pytest.raises(ModulePathError, match=r"no operation 'act_2'"):
             model.source.act_2
 
 
-    def test_an_08_assignment_name_says_assignments_are_not_operations(self):
-        """nnsight 0.8 also names assignments (``h = act(self.lin(x))`` is ``h_0``; 0.8's
-        tutorials read ``ssm_state_3``): here that raises ModulePathError saying it is 0.8's
-        name of the assignment on that line, that operations are calls only, and which calls
-        the line has. Found by a docs hunt: the error only listed near matches."""
-        model = NNsight(Picker())
-        line = next(i for i, text in enumerate(open(__file__), 1)
-                    if "h = act(self.lin(x))" in text)
+    def test_an_assignment_is_an_operation_under_its_08_name(self, x):
+        """nnsight 0.8 makes an assignment an operation (``h = act(self.lin(x))`` is ``h_0``;
+        its tutorials read ``ssm_state_3``): here too, where it binds one value to one target
+        and its 0.8 name is not a call's here. Its .input and .output are the value assigned
+        (against the plain computation), and a replaced output is what the name is bound to."""
+        torch.manual_seed(0)
+        net = Picker()
+        model = NNsight(net)
+        with model.trace(x):
+            given = model.source.h_0.input.save()
+            h = model.source.h_0.output.clone().save()
+            model.source.h_0.output = model.source.h_0.output * 0 + 2.0
+            t = model.source.t_0.output.save()
+            out = model.output.save()
+        with torch.no_grad():
+            plain = torch.relu(net.lin(x))
+            torch.testing.assert_close(given, plain)
+            torch.testing.assert_close(h, plain)
+            two = torch.full_like(plain, 2.0)
+            torch.testing.assert_close(t, two.view(2, -1).transpose(0, 1))
+            torch.testing.assert_close(out, two.view(2, -1).transpose(0, 1).sum(0))
+
+    def test_each_pair_of_a_pairwise_assignment_is_an_operation(self, x):
+        """``a, b = self.lin(x), x.relu()`` binds two values: nnsight 0.8 names them a_0 and b_0
+        (transformers' Mamba: ``conv_state, recurrent_state = None, None``), and each is an
+        operation here too, after the calls of the value; replacing b_0's output changes what
+        b is bound to. A name that is neither an operation nor an assignment lists near
+        matches, saying nothing of assignments."""
+        torch.manual_seed(0)
+        net = Pairs()
+        model = NNsight(net)
+        assert model.source.names == ["self_lin_0", "x_relu_0", "a_0", "b_0"]
+        with model.trace(x):
+            a = model.source.a_0.output.save()
+            model.source.b_0.output = torch.zeros_like(model.source.b_0.output)
+            out = model.output.save()
+        with torch.no_grad():
+            torch.testing.assert_close(a, net.lin(x))
+            torch.testing.assert_close(out, net.lin(x))
         with pytest.raises(ModulePathError) as info:
-            model.source.h_0
-        text = str(info.value)
-        assert f"names the assignment on line {line} ('h = act(self.lin(x))" in text
-        assert "operations here are calls only" in text
-        assert "the calls on that line are self_lin_0, act_0" in text
-        with pytest.raises(ModulePathError) as info:  # a name that is no assignment either
-            model.source.h_5
+            model.source.a_5
         assert "assignment" not in str(info.value)
+
+
+class Pairs(torch.nn.Module):
+    """Assigns two values pairwise: nnsight 0.8 names each (a_0, b_0)."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        a, b = self.lin(x), x.relu()
+        return a + b
 
 
 class TestValues:
@@ -430,7 +471,7 @@ class TestNested:
             m = inner.torch_matmul_0.output.save()
             inner.torch_softmax_0.output[:] = 0.25
             out = model.output.save()
-        assert names == ["k_transpose_0", "torch_matmul_0", "torch_softmax_0"] == listed
+        assert names == ["k_transpose_0", "torch_matmul_0", "s_0", "torch_softmax_0"] == listed
         h = torch.relu(block.lin(x)) + torch.relu(-block.lin(x))
         torch.testing.assert_close(m, h @ h.T)
         torch.testing.assert_close(out, plain(block, x, scores=lambda s: torch.full_like(s, 0.25)))
@@ -702,7 +743,7 @@ class TestRedefinedClasses:
                 model.source.self_mlp_0.output[:] = 0
                 out = model.output.save()
             comp = compiled(cls.forward)
-            assert comp.names == ("self_mlp_0", "torch_relu_0")
+            assert comp.names == ("self_mlp_0", "h_0", "torch_relu_0")
             refs = [weakref.ref(comp.code), weakref.ref(cls), weakref.ref(cls.TABLE),
                     weakref.ref(cls.forward.__code__)]
             del cls, model, out, comp
