@@ -19,6 +19,7 @@ import torch
 
 from . import backward  # noqa: F401  (registers grad/set_grad in RUNTIME, patches backward)
 from .context import BodyContext, body_job
+from .invoke_scopes import add_invokes
 from .errors import InputError, InvokeError, NNsightError
 from .interleaver import Interleaver
 from .invoke_kwargs import _yield_to
@@ -314,39 +315,7 @@ class Tracer(BodyContext):
             kwargs = {**kwargs, **self._forward_kwargs}
         inter = Interleaver(model._module, sum(sizes), model.__dict__)
         made = _add_edits(inter, model) if model._edits else []
-        start = 0
-        sized = iter(sizes)
-        many = len(invokes) > 1
-        add = inter.add
-        homes: dict = {}  # id(frame) -> the shared scope of the invokes written in a helper
-        bound: dict = {}  # id(shared scope) -> the names its invokes so far bind
-        for inv in invokes:
-            if inv._args or inv._kwargs:
-                size = next(sized)
-                batch = (start, size) if many else None
-                start += size
-            else:
-                batch = None
-            # Each invoke has its own scope: the trace body's names as of the invoke, then what
-            # it binds itself; what other invokes bind reaches it through the shared `scope`.
-            # Invokes opened in a helper function share names with that call's invokes only.
-            shared = scope
-            home = inv._home
-            if home is not None:
-                shared = homes.get(id(home))
-                if shared is None:
-                    shared = homes[id(home)] = scope.child({})
-                    made.append(shared)
-            snapshot = inv._snapshot
-            own = shared.child(snapshot)
-            made.append(own)
-            body = inv._body
-            own._awaited = bound.get(id(shared))
-            if body.binds:
-                bound[id(shared)] = body.binds | bound.get(id(shared), frozenset())
-            med = add(body_job(body.code, own), batch, own)
-            if body.assigned:  # (names it binds are published for later invokes: see publish)
-                med.shared, med.snapshot, med.assigned = shared, snapshot, body.assigned
+        add_invokes(inter, invokes, sizes, scope, made)
         self._interleave(inter, made, args, kwargs)
 
     def _call_kwargs(self) -> dict:
