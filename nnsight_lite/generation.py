@@ -164,12 +164,12 @@ class Generator(Tracer):
         # reads model.generator.streamer, which runs once more than the model (the prompt, then
         # each new token), there is one more step for the last token's streamer call; a step
         # waiting for another module there ends the loop when generation ends
-        n = self._setting("max_new_tokens")
+        n = self._setting("max_new_tokens", kwargs)
         inter.steps = n + self._streams() if isinstance(n, int) else None
         # HF generate expands each prompt's row into max(num_beams, num_return_sequences)
         # adjacent rows for the forwards, and returns num_return_sequences rows a prompt: each
         # invoke gets its prompts' rows of those (batching.narrow)
-        beams, seqs = (self._setting(k) for k in ("num_beams", "num_return_sequences"))
+        beams, seqs = (self._setting(k, kwargs) for k in ("num_beams", "num_return_sequences"))
         beams, seqs = (v if isinstance(v, int) and v > 1 else 1 for v in (beams, seqs))
         inter.row_factors = tuple(f for f in dict.fromkeys((max(beams, seqs), seqs)) if f > 1)
         # HF generate runs the model under torch.no_grad(): the bodies start in that mode too,
@@ -184,11 +184,15 @@ class Generator(Tracer):
         with torch.no_grad():
             return super()._interleave(inter, made, args, kwargs)
 
-    def _setting(self, name: str):
-        """A generation setting as HF takes it: generate()'s keyword, else its
-        ``generation_config``'s, else the model's (None where none sets it)."""
+    def _setting(self, name: str, kwargs: dict):
+        """A generation setting as HF takes it: generate()'s keyword, else an invoke's (the
+        batch's ``kwargs``, which _run_generate passes to HF generate beside generate()'s
+        keywords: ``tracer.invoke(prompt, num_beams=2)``), else the ``generation_config``'s
+        given to generate(), else the model's (None where none sets it)."""
         gen = self._gen_kwargs
         value = gen.get(name)
+        if value is None:
+            value = kwargs.get(name)
         for config in (gen.get("generation_config"),
                        getattr(self._model._module, "generation_config", None)):
             if value is None:

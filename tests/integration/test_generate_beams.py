@@ -101,3 +101,18 @@ def test_returned_sequences_are_split_by_invoke(lm, hf, arch, sample):
     outputs = cache[list(cache.keys())[0]].output  # (one a step)
     assert len(outputs) == len(seen) == 2
     assert all(torch.equal(o, h[2:4]) for o, h in zip(outputs, seen))
+
+
+def test_beams_given_to_the_invokes_split_the_rows_too(lm, hf, arch):
+    """num_beams given to tracer.invoke(...) reaches HF generate with the batch's keywords,
+    so the rows are expanded just the same: each invoke still gets its own prompt's beams."""
+    with lm.generate(max_new_tokens=2, do_sample=False) as tracer:
+        got = nnsight_lite.save([])
+        for prompt in PROMPTS:
+            with tracer.invoke(prompt, num_beams=2):
+                got.append((layers(lm, arch)[1].output.clone(), lm.generator.output))
+    ids, seen = plain_generate(lm, hf, arch, max_new_tokens=2, num_beams=2)
+    assert torch.equal(tracer.result, ids)
+    for i, (h, out) in enumerate(got):
+        assert torch.equal(h, seen[0][2 * i:2 * i + 2]), i
+        assert torch.equal(out, ids[i:i + 1]), i
