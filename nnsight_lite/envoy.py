@@ -223,9 +223,7 @@ class Envoy(ModuleFirst, Containers):
             with model.trace("Hello"):
                 w = model.transformer.h[0].attn.source.attention_interface_0.output.save()
         """
-        from .source import source_of
-
-        return source_of(self)
+        return _source_of(self)
 
     # ---- the module tree
 
@@ -411,6 +409,17 @@ class Envoy(ModuleFirst, Containers):
             if ref is None or ref() is None:
                 sub.__dict__["_parent"] = weakref.ref(self)
 
+
+
+def _source_of(envoy):
+    """source.source_of, imported at the first use (source.py imports this module); then this
+    name is that function (an import statement in the property ran the import machinery at
+    every ``.source``)."""
+    global _source_of
+    from .source import source_of
+
+    _source_of = source_of
+    return source_of(envoy)
 
 
 _EMPTY_TREE = Tree(torch.nn.Module())

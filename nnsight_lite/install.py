@@ -48,7 +48,8 @@ class _Plan:
     wrapper that keeps it.
     """
 
-    __slots__ = ("slots", "wrappers", "live", "flat", "bulk", "held", "sourced", "__weakref__")
+    __slots__ = ("slots", "wrappers", "live", "flat", "bulk", "held", "sourced", "instrumented",
+                 "__weakref__")
 
     def __init__(self):
         self.slots = {}
@@ -66,6 +67,9 @@ class _Plan:
         # the forwards earlier traces ran instrumented, instrumented from the start of later
         # ones too (source_run.keep_instrumented), as nnsight keeps them
         self.sourced = {}
+        # id(module) -> its forward instrumented for the model's traces (source_run.py), while
+        # the module keeps its slot: a new walk drops the others
+        self.instrumented = {}
 
     @property
     def inter(self):
@@ -313,6 +317,9 @@ def _walk(inter: "Interleaver", plan: "_Plan") -> list:
     plan.slots = slots
     plan.wrappers = wrappers
     plan.flat = flat
+    if plan.instrumented:
+        plan.instrumented = {k: v for k, v in plan.instrumented.items()
+                             if slots.get(k) is v.mslot}
     plan.held = []  # (the Envoys held before may hold modules that have left the tree)
     return flat
 

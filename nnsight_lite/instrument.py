@@ -354,7 +354,9 @@ def _accelerate_body(module: torch.nn.Module, forward):
     """The forward an accelerate hook (``device_map=...`` dispatch, ``add_hook_to_module``)
     wraps on ``module``: its ``_old_forward``, which the hook's wrapper calls between its
     pre- and post-forward; else None."""
-    if getattr(module, "_hf_hook", None) is None or not isinstance(forward, functools.partial):
+    # (the partial first, then the instance dict, where accelerate sets ``_hf_hook``: a miss
+    # through Module.__getattr__ builds and drops an AttributeError, ~7K instructions)
+    if not isinstance(forward, functools.partial) or module.__dict__.get("_hf_hook") is None:
         return None
     old = module.__dict__.get("_old_forward")
     return old if _function_of(old)[0] is not None else None

@@ -101,8 +101,8 @@ def never_ran(path: str, envoy, kind: str, inter=None) -> str:
         parent = envoy._parent
         if inter is not None and isinstance(parent, Source):  # its module never ran either?
             owner = parent._envoy
-            mslot = inter.slots.get(id(owner._module))
-            if mslot is None or not mslot.calls:
+            mslot = inter.slots.get(id(parent._module))
+            if owner is not None and (mslot is None or not mslot.calls):
                 return never_ran(owner._path, owner, kind)
         comp = parent._compiled()
         line = comp.spans[comp.index[envoy._name]][0]

@@ -17,7 +17,12 @@ from __future__ import annotations
 import difflib
 import weakref
 
-from .errors import ModulePathError, OutOfOrderError, SourceUnavailableError
+from .errors import (
+    ModulePathError,
+    OutOfOrderError,
+    OutsideTraceError,
+    SourceUnavailableError,
+)
 from .instrument import Compiled, _module_function, compiled
 from .mediator import INPUT, current_mediator
 from .source_run import OpSlot, run_of
@@ -46,47 +51,75 @@ class Source:
     """
 
     def __init__(self, envoy):
+        self._attach(envoy)
+
+    def _attach(self, envoy) -> None:
         d = self.__dict__
-        d["_envoy"] = envoy
+        # (the module, and its Envoy weakly: the Envoy keeps this view, see source_of)
+        d["_module"] = envoy._module
+        d["_envoy_ref"] = weakref.ref(envoy)
         d["_path"] = f"{envoy._path}.source"
-        # (weakly: each OpEnvoy holds this view, so a strong table would be a reference cycle;
-        # an alias name still gives the very OpEnvoy its canonical name gave while it is held)
-        d["_ops"] = weakref.WeakValueDictionary()
+        # name -> a weak reference to its OpEnvoy (weakly: each OpEnvoy holds this view, so a
+        # strong table would be a reference cycle; an alias name still gives the very OpEnvoy
+        # its canonical name gave while it is held). Plain references, not a
+        # WeakValueDictionary, whose every store and removal runs Python code: a dead one
+        # stays until its name is asked for again (one per operation name at most).
+        d["_ops"] = {}
+
+    @property
+    def _envoy(self):
+        """The Envoy of the module (None once nothing else holds it)."""
+        return self.__dict__["_envoy_ref"]()
 
     def _compiled(self) -> Compiled:
-        return compiled(_module_function(self._envoy._module))
+        return compiled(_module_function(self._module))
 
-    def __getstate__(self):  # (a remote body may hold a view: its table of ops is weak)
-        return {"_envoy": self._envoy, "_path": self._path}
+    def __getstate__(self):  # (a remote body may hold a view: pickled as its Envoy's view)
+        envoy = self._envoy
+        if envoy is None:
+            raise TypeError(f"{self._path} cannot be pickled: the model it belongs to is gone")
+        return {"_envoy": envoy}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _ops=weakref.WeakValueDictionary())
+        self._attach(state["_envoy"])
 
     def _enter(self) -> None:
         """Inside a body of a trace of this module's model: run its forward instrumented."""
+        d = self.__dict__
+        d["_running"] = None
         med = getattr(_getcurrent(), "mediator", None)
         if med is None:
             return
         inter = med.interleaver
-        mslot = inter.slots.get(id(self._envoy._module))
+        mslot = inter.slots.get(id(self._module))
         # A module that already ran uninstrumented cannot count its operations any more, but
         # touching its .source to print it or name an op is no mistake: only a request for an
         # operation's value (OpEnvoy._slot_in) raises then, as nnsight's out-of-order read does.
         if mslot is not None and not mslot.calls:
-            run_of(inter).ops_of(mslot, self._envoy)
+            # (the operations of the forward running now, by name: __getattr__ takes a name
+            # found there as it is, without compiling the forward's listing again)
+            d["_running"] = run_of(inter).ops_of(mslot, self._path)
 
     def __getattr__(self, name: str) -> "OpEnvoy":
         ops = self.__dict__.get("_ops")
         if ops is None or name.startswith("__"):
             raise AttributeError(name)
-        hit = ops.get(name)
-        if hit is not None:
-            return hit
+        ref = ops.get(name)
+        if ref is not None:
+            hit = ref()
+            if hit is not None:
+                return hit
+        running = self.__dict__.get("_running")
+        if running is not None and name in running:
+            env = OpEnvoy(self, name)
+            ops[name] = weakref.ref(env)
+            return env
         comp = self._compiled()
         names = comp.index
         if name not in names:
             name = comp.resolve(name)
-            hit = ops.get(name)
+            ref = ops.get(name)
+            hit = ref() if ref is not None else None
             if hit is not None:
                 return hit
         if name not in names:
@@ -94,9 +127,10 @@ class Source:
                 f"{self._path} has no operation {name!r} (at {user_location()})."
                 f"{comp.unknown(name)}{_near(name, names)} "
                 f"print({self._path}) lists the operations of "
-                f"{type(self._envoy._module).__name__}.forward by name."
+                f"{type(self._module).__name__}.forward by name."
             )
-        env = ops[name] = OpEnvoy(self, name)
+        env = OpEnvoy(self, name)
+        ops[name] = weakref.ref(env)
         return env
 
     def __setattr__(self, name, value):
@@ -146,7 +180,15 @@ class OpEnvoy:
         """This operation's slot in ``inter``'s trace (instrumenting its forward if needed)."""
         parent = self._parent
         if isinstance(parent, Source):
-            ops = run_of(inter).ops_of(inter.slot_of(parent._envoy), parent._envoy)
+            mslot = inter.slots.get(id(parent._module))
+            if mslot is None:  # (not a module of the traced model: the Envoy's own message)
+                envoy = parent._envoy
+                if envoy is None:
+                    raise OutsideTraceError(
+                        f"{self._path} belongs to a model that is gone (at {user_location()}); "
+                        "take .source from the model being traced")
+                mslot = inter.slot_of(envoy)
+            ops = run_of(inter).ops_of(mslot, parent._path)
         else:
             ops = inter.slot_of(parent._op).children
         slot = ops.get(self._name)
@@ -175,7 +217,7 @@ class OpEnvoy:
         if not slot.drill:
             parent = self._parent
             if isinstance(parent, Source):  # later traces drill it from their start
-                hit = med.interleaver._plan.sourced.get(id(parent._envoy._module))
+                hit = med.interleaver._plan.sourced.get(id(parent._module))
                 if hit is not None:
                     hit[1].add(self._name)
             if slot.calls:
@@ -271,15 +313,13 @@ def source_of(envoy) -> Source:
     """``envoy.source``: one view per Envoy while it is held; inside a body it instruments the
     module's forward for the running trace, so its operations are counted from the start.
 
-    The Envoy keeps its view weakly: the view holds the Envoy, so a strong reference back
-    would be a cycle that kept the module (and its weights) alive after the model was dropped,
-    until the garbage collector ran."""
-    d = envoy.__dict__
-    ref = d.get("_source_view")  # (LanguageModel's "_source" is its load path)
-    src = ref() if ref is not None else None
+    The Envoy keeps its view (the names its operations were asked for by, what they resolved
+    to), and the view holds the Envoy weakly: a strong reference back would be a cycle that
+    kept the module (and its weights) alive after the model was dropped, until the garbage
+    collector ran."""
+    src = envoy.__dict__.get("_source_view")  # (LanguageModel's "_source" is its load path)
     if src is None:
-        src = Source(envoy)
-        d["_source_view"] = weakref.ref(src)
+        src = envoy.__dict__["_source_view"] = Source(envoy)
     src._enter()
     return src
 

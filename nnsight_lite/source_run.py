@@ -47,7 +47,8 @@ class OpSlot(Slot):
 
     def __init__(self, owner: Slot, path: str):
         super().__init__(owner.module, owner, path, owner.live)
-        self.gen = owner.live.serial  # made in the running trace, for it alone
+        self.gen = owner.live.serial  # (counting for the running trace; the helper zeroes the
+        # counters of a later trace at its first call, as the module call entry does)
         self.path = path
         self.drill = False  # a body asked for .source of this operation
         self.children = {}
@@ -68,16 +69,18 @@ class SourceRun:
         self.inter = inter
         self.installed: dict[Slot, tuple] = {}  # module slot -> (previous orig, {name: OpSlot})
 
-    def ops_of(self, mslot: Slot, envoy=None) -> dict:
-        """The operations of ``mslot``'s forward, instrumenting it for this trace if needed."""
+    def ops_of(self, mslot: Slot, path: "str | None" = None) -> dict:
+        """The operations of ``mslot``'s forward, instrumenting it for this trace if needed
+        (``path``: how the user named them, ``model.layer.source``)."""
         hit = self.installed.get(mslot)
         if hit is not None:
             return hit[1]
-        path = f"{envoy._path if envoy is not None else mslot.label()}.source"
-        sourced = self.inter._plan.sourced  # later traces instrument it from their start
-        if id(mslot.module) not in sourced:
-            sourced[id(mslot.module)] = (weakref.ref(mslot.module), set())
+        plan = self.inter._plan
+        key = id(mslot.module)
+        if key not in plan.sourced:  # later traces instrument it from their start
+            plan.sourced[key] = (weakref.ref(mslot.module), set())
         if mslot.calls:
+            path = _path_of(mslot, path)
             raise OutOfOrderError(
                 f"an operation of {path} was asked for at {user_location()}, after "
                 f"{path[:-7]} had already run {mslot.calls} time(s) in this trace without its "
@@ -91,14 +94,17 @@ class SourceRun:
         func, owner = _function_of(mslot.orig if body is None else body)
         if func is None:
             raise SourceUnavailableError(
-                f"{path[:-7]}.forward is {type(mslot.orig).__name__}, not a Python function, "
-                "so its operations cannot be traced"
+                f"{_path_of(mslot, path)[:-7]}.forward is {type(mslot.orig).__name__}, not a "
+                "Python function, so its operations cannot be traced"
             )
-        helper, table = _make_helper(self.inter)
-        new, comp = instrument(func, helper)
-        slots = {n: OpSlot(mslot, f"{path}.{n}") for n in comp.names}
-        table[:] = slots.values()
-        new = new if owner is None else types.MethodType(new, owner)
+        made = plan.instrumented.get(key)
+        if made is None or made.mslot is not mslot or made.func is not func \
+                or made.owner is not owner:  # (first asked for, or its forward replaced)
+            made = plan.instrumented[key] = _Instrumented(mslot, func, owner,
+                                                          _path_of(mslot, path))
+        elif path is not None and made.path != path:  # (reached by another name now)
+            made.name_slots(path)
+        new, slots = made.new, made.slots
         if body is None:
             self.installed[mslot] = (mslot.orig, slots)
             mslot.orig = new
@@ -118,26 +124,64 @@ class SourceRun:
         self.inter = None
 
 
+def _path_of(mslot: Slot, path: "str | None") -> str:
+    """How messages name the operations of ``mslot``'s forward: ``model.layer.source``."""
+    return path if path is not None else f"{mslot.label()}.source"
+
+
 def _value(value, /):
     """An assignment operation's "call" (``fn`` None in the helper): the value assigned."""
     return value
 
 
-def _make_helper(inter):
-    """The ``__nnsight_op__`` of one instrumented function in one trace, and its table of
-    operation slots (filled once the operations are named): counts each call of each
-    operation and serves the bodies waiting for it, as the module wrapper does."""
+class _Instrumented:
+    """A module's forward instrumented once for its model's traces (kept by the model's plan,
+    ``_Plan.instrumented``, while the module keeps its slot and its forward): the function, the
+    helper it calls and the operations' slots, which count for the running trace (``live``)
+    as module slots do. A trace that asks for the same forward's operations again swaps it in
+    instead of compiling a function and making a slot per operation anew."""
+
+    __slots__ = ("mslot", "func", "owner", "new", "slots", "path")
+
+    def __init__(self, mslot: Slot, func, owner, path: str):
+        self.mslot = mslot
+        self.func = func  # the plain function instrumented, and the ``self`` it is bound to
+        self.owner = owner
+        helper, table = _make_helper(mslot.live)
+        new, comp = instrument(func, helper)
+        self.slots = {n: OpSlot(mslot, n) for n in comp.names}
+        self.name_slots(path)
+        table[:] = self.slots.values()
+        self.new = new if owner is None else types.MethodType(new, owner)
+
+    def name_slots(self, path: str) -> None:
+        """Name the operations' slots under ``path`` (``model.layer.source``), for messages."""
+        self.path = path
+        for n, slot in self.slots.items():
+            slot.path = f"{path}.{n}"
+
+
+def _make_helper(live):
+    """The ``__nnsight_op__`` of one instrumented function, and its table of operation slots
+    (filled once the operations are named): counts each call of each operation in the running
+    trace (``live.inter``) and serves the bodies waiting for it, as the module call entry
+    does."""
     table = []
 
     def op(index, fn, /, *args, **kwargs):
         if fn is None:  # an assignment (instrument._Rewriter._assignment)
             fn = _value
-        if _getcurrent() is not inter.runner:  # a body calling the module itself
-            return fn(*args, **kwargs)
+        inter = live.inter
+        if inter is None or _getcurrent() is not inter.runner:  # a body calling the module
+            return fn(*args, **kwargs)  # itself (or a call after the trace, by a reference)
         slot = table[index]
         if slot.drill:
             fn = _drilled(inter, slot, fn)
-        call = slot.n_in
+        if slot.gen == live.serial:
+            call = slot.n_in
+        else:  # its first call in this trace
+            slot.gen = live.serial
+            call = slot.n_out = 0
         slot.n_in = call + 1
         if slot.wait_in and call in slot.wait_in:
             slot.orig = fn  # what _serve_input runs (unless a body skips it)
@@ -173,7 +217,7 @@ def _drilled(inter, slot: OpSlot, fn):
         slot.error = (f"{slot.path} calls {type(fn).__name__} {getattr(fn, '__name__', '')!r}, "
                       "which is not a Python function, so it has no operations to trace")
         return fn
-    helper, table = _make_helper(inter)
+    helper, table = _make_helper(slot.live)
     try:
         new, comp = instrument(func, helper)
     except SourceUnavailableError as exc:

@@ -614,6 +614,123 @@ class TestCost:
         assert shape == (4, 4)
 
 
+class TestReuse:
+    """A forward instrumented once is kept for the model's later traces (its operations' slots
+    count each trace afresh), as long as the module runs the same function."""
+
+    def test_a_forward_replaced_between_traces_is_instrumented_anew(self, block, x):
+        """An instance forward set between traces, then removed: each trace runs the function
+        the module has then, and its operations are that function's."""
+        import types
+
+        def gated(self, x, branch=False):
+            h = self.lin(x)
+            return self.lin(torch.sigmoid(h)).sum(-1)
+
+        model = NNsight(block)
+        for _ in range(2):
+            with model.trace(x):
+                r = model.source.torch_relu_0.output.save()
+            torch.testing.assert_close(r, torch.relu(block.lin(x)))
+        block.forward = types.MethodType(gated, block)
+        with model.trace(x):
+            g = model.source.torch_sigmoid_0.output.clone().save()
+            model.source.torch_sigmoid_0.output[:] = 0
+            out = model.output.save()
+        torch.testing.assert_close(g, torch.sigmoid(block.lin(x)))
+        torch.testing.assert_close(out, block.lin(torch.zeros(4, 6)).sum(-1))
+        with pytest.raises(ModulePathError, match="torch_relu_0"):
+            with model.trace(x):
+                model.source.torch_relu_0.output.save()
+        del block.forward
+        with model.trace(x):
+            r = model.source.torch_relu_0.output.save()
+            out = model.output.save()
+        torch.testing.assert_close(r, torch.relu(block.lin(x)))
+        torch.testing.assert_close(out, plain(block, x))
+
+    def test_a_class_forward_replaced_between_traces(self, x):
+        """The class's forward patched between traces (a library monkey-patching it): the next
+        trace instruments the new function, and the old one's operations are gone."""
+
+        class Patched(Block):
+            pass
+
+        torch.manual_seed(0)
+        net = Patched()
+        model = NNsight(net)
+        with model.trace(x):
+            r = model.source.torch_relu_0.output.save()
+        torch.testing.assert_close(r, torch.relu(net.lin(x)))
+
+        def doubled(self, x, branch=False):
+            return self.lin(torch.tanh(self.lin(x))).sum(-1) * 2
+
+        Patched.forward = doubled
+        with model.trace(x):
+            t = model.source.torch_tanh_0.output.save()
+            out = model.output.save()
+        torch.testing.assert_close(t, torch.tanh(net.lin(x)))
+        torch.testing.assert_close(out, net.lin(torch.tanh(net.lin(x))).sum(-1) * 2)
+
+    def test_one_operation_held_across_traces_counts_each_trace(self, block, x):
+        """An OpEnvoy bound once and used by several traces, each with two invokes reading and
+        editing their own rows: every trace addresses call 0 of its own forward."""
+        model = NNsight(block)
+        relu = model.source.torch_relu_0
+        for k in range(3):
+            with model.trace() as tracer:
+                with tracer.invoke(x[:2]):
+                    a = relu.output.clone().save()
+                    relu.output[:] = float(k)
+                    out_a = model.output.save()
+                with tracer.invoke(x[2:]):
+                    b = relu.output.clone().save()
+                    out_b = model.output.save()
+            out = torch.cat([out_a, out_b])
+            torch.testing.assert_close(torch.cat([a, b]), torch.relu(block.lin(x)))
+
+
+            def first_rows(t, k=k):
+                t = t.clone()
+                t[:2] = float(k)
+                return t
+
+            # (the Block's scores mix the batch's rows: the whole batch in one forward)
+            torch.testing.assert_close(out, plain(block, x, relu0=first_rows))
+
+    def test_a_replaced_submodule_whose_source_was_used_is_freed(self, x):
+        """A submodule whose .source bodies read, replaced in the model: the next trace lets the
+        old module go (the forward kept instrumented for it goes with its slot), without the
+        garbage collector."""
+
+        class Outer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blk = Block()
+
+            def forward(self, x):
+                return self.blk(x)
+
+        torch.manual_seed(0)
+        net = Outer()
+        model = NNsight(net)
+        for _ in range(2):
+            with model.trace(x):
+                model.blk.source.torch_relu_0.output.save()
+        old = weakref.ref(net.blk)
+        gc.collect()
+        gc.disable()
+        try:
+            net.blk = Block()
+            with model.trace(x):
+                r = model.blk.source.torch_relu_0.output.save()
+            assert old() is None
+        finally:
+            gc.enable()
+        torch.testing.assert_close(r, torch.relu(net.blk.lin(x)))
+
+
 class TestAccelerateHooks:
     """A module carrying an accelerate hook (what `device_map=` dispatch adds; its `forward` is
     then a partial) still has `.source`: the forward the hook wraps is instrumented, and the
