@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
+import types
 
 from ..errors import RemoteError, RemoteTimeoutError
 from ..mediator import _MISSING
@@ -184,7 +185,7 @@ def resolve_backend(backend):
 
 def run_remote(ctx, frame, model) -> None:
     """Ship ``ctx``'s with-block to a replica; bind what it saved in ``frame``; raise its
-    error as the same exception type, the user's file:line in the message."""
+    error as the same exception type and arguments, with the user's frames in its traceback."""
     backend = ctx._backend
     block = wire.shipped_block(ctx._body)
     values = wire.caller_values(frame, block.names)
@@ -212,7 +213,7 @@ def run_remote(ctx, frame, model) -> None:
     if reply.get("stderr"):
         sys.stderr.write(reply["stderr"])
     if reply.get("error") is not None:
-        raise rebuild(reply["error"])
+        raise rebuild(reply["error"], frame.f_code.co_name)
     result = reply.get("result", _MISSING)
     if result is not _MISSING:
         ctx._result = result
@@ -233,29 +234,54 @@ def _batch_inputs(ctx, model, block):
     return (ctx._args, ctx._kwargs)
 
 
-def rebuild(error: dict) -> BaseException:
-    """The exception a remote body raised, as the same type, with the user's file:line."""
+def rebuild(error: dict, caller: str = "<module>") -> BaseException:
+    """The exception a remote body raised, as the same type with the same arguments, its
+    traceback the user's frames on the replica (the body's line, the functions it called);
+    ``caller``: the name of the function the block is in (its body's frames show it)."""
     exc = None
     if error["pickled"] is not None:
         try:
             exc = wire.loads(error["pickled"], None)
         except Exception:  # noqa: BLE001 - a type this side cannot import
             exc = None
-    message = error["message"]
     where = error["location"]
-    if where and where not in message:
-        message = f"{message} (remote body, {where})"
     if exc is None:
+        message = error["message"]
+        if where and where not in message:
+            message = f"{message} (remote body, {where})"
         exc = _same_type(error, message)
-    else:
-        args = exc.args
-        if args and isinstance(args[0], str) and where and where not in args[0]:
-            exc.args = (f"{args[0]} (remote body, {where})",) + tuple(args[1:])
-        elif not args or not isinstance(args[0], str):
-            exc.args = (message,) if not args else args
     if hasattr(exc, "add_note") and error.get("traceback"):
         exc.add_note("remote traceback (on the replica):\n" + error["traceback"].rstrip())
+    frames = error.get("frames")
+    if frames:
+        exc.__traceback__ = _user_frames(exc, [(f, n, name or caller) for f, n, name in frames])
     return exc
+
+
+def _user_frames(exc: BaseException, frames):
+    """A traceback of ``frames`` ((file, line, function), outermost first) ending in ``exc``:
+    each entry is a one-statement code object at that file and line that raises ``exc``, as
+    Jinja2's debug.py shows template lines (its columns span the line: no carets drawn)."""
+    import ast
+    import linecache
+
+    tb = None
+    for filename, lineno, name in reversed(frames):
+        text = linecache.getline(filename, lineno)
+        start, end = len(text) - len(text.lstrip()), len(text.rstrip())
+        at = {"lineno": lineno, "end_lineno": lineno, "col_offset": start,
+              "end_col_offset": max(start, end)}
+        tree = ast.Module([ast.Raise(exc=ast.Name("__exc__", ast.Load(), **at), **at)], [])
+        exc.__traceback__ = None
+        try:
+            code = compile(tree, filename, "exec", dont_inherit=True).replace(co_name=name)
+            exec(code, {"__exc__": exc})
+        except BaseException as raised:  # noqa: BLE001 - exc itself, from the line above
+            if raised is not exc:
+                return tb
+            entry = raised.__traceback__.tb_next  # (the first entry: this function's frame)
+        tb = types.TracebackType(tb, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return tb
 
 
 def _same_type(error: dict, message: str) -> BaseException:

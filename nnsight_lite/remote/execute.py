@@ -2,7 +2,7 @@
 
     execute(model, request, ...)   run the request's with-statement against ``model``; the
                                    reply: saved names, the traced call's result, printed text,
-                                   or the error (type, message with the user's file:line)
+                                   or the error (type, message, the user's frames)
     compiled(block)                the shipped source compiled once, registered in linecache
                                    under a synthetic filename so capture finds it
     Deadline                       stops a body that runs past its time limit
@@ -34,10 +34,12 @@ from ..capture.rewrite import rewrite_body
 from ..capture.source import remember_source, with_at
 from ..errors import PolicyError, RemoteTimeoutError
 from ..mediator import _MISSING
+from ..tracebacks import _internal
 from .hook import serving
 
 _CODES: OrderedDict = OrderedDict()  # (filename, source) -> (code, synthetic filename)
 _CODES_MAX = 256
+_FRAMES_MAX = 64  # user frames an error's reply carries (the innermost; a deep recursion)
 
 
 def compiled(source: str, filename: str):
@@ -131,13 +133,22 @@ def _collect(scope: dict, before: dict):
 
 def describe(exc: BaseException, synthetic: str, filename: str) -> dict:
     """What the client needs to raise ``exc`` again: the exception itself (pickled if it can
-    be), its type's name, its message and the user's file:line where the body raised it."""
+    be), its type's name, its message, the user's file:line where the body raised it and the
+    user's frames from the body down (the client's traceback shows them; the body's own
+    frames unnamed: they are named after the function the with-statement is in)."""
     line = None
+    frames = []  # the user's frames below the with-statement, as (file, line, function)
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename == synthetic:
+        code = tb.tb_frame.f_code
+        if code.co_filename == synthetic:
             line = tb.tb_lineno
+        if (frames or code.co_filename == synthetic) and not _internal(code):
+            body = code.co_filename == synthetic and code.co_name == "<module>"
+            fn = filename if code.co_filename == synthetic else code.co_filename
+            frames.append((fn, tb.tb_lineno, None if body else code.co_name))
         tb = tb.tb_next
+    frames = frames[1:][-_FRAMES_MAX:]  # (the first: the shipped with-statement itself)
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     if isinstance(exc, PolicyError):  # refused before anything ran: the replica's frames are noise
         text = ""
@@ -160,6 +171,7 @@ def describe(exc: BaseException, synthetic: str, filename: str) -> dict:
         "qualname": type(exc).__qualname__,
         "message": message,
         "location": f"{filename}:{line}" if line is not None else None,
+        "frames": frames,
         "traceback": text,
     }
 

@@ -13,7 +13,8 @@ Example::
 
 Only the with-block's source, the caller values it reads and (on the way back) the saved
 values cross: an Envoy is pickled as its module path, never with its module, so no weights
-travel. A ``tracer.cache()`` view travels as its records and is attached to the model on the
+travel; so does a module of the model met in the values (a source operation's ``self``
+argument), as its path. A ``tracer.cache()`` view travels as its records and is attached to the model on the
 other side, so it navigates there as it did here (``cache.model[1].output``). A client model
 with persistent edits (``model.edit()``) travels as the root plus each
 edit's source and the values it reads; the server applies them to a copy of the served model.
@@ -28,9 +29,11 @@ import builtins
 import io
 import pickle
 import threading
-from collections import OrderedDict
+import types
+from collections import ChainMap, OrderedDict
 
 import cloudpickle
+import torch
 
 from ..cache_view import CacheView
 from ..capture.parsing import parse
@@ -41,10 +44,24 @@ from ..errors import RemoteError
 _PLAIN = frozenset({int, float, str, bytes, bool, type(None), tuple, list, dict})
 
 
+def _code_reduce(code):
+    """cloudpickle's reduction of a code object, keeping its filename (cloudpickle writes
+    ``<dynamic-code>``): a function of the user's shipped by value then names the user's file
+    in the replica's traceback, which the client shows (client.rebuild)."""
+    fn, args = _CLOUDPICKLE_CODE_REDUCE(code)
+    return fn, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+_CLOUDPICKLE_CODE_REDUCE = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+
 class _Pickler(cloudpickle.Pickler):
+    dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
+
     def __init__(self, file, root):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._root = root
+        self._paths = None  # id(module) -> its path in root's module tree, made when needed
         d = root.__dict__ if root is not None else {}
         self._tree = d.get("_tree")
         self._names = _tree_spec(self._tree)  # one object: pickled once, then by reference
@@ -65,7 +82,18 @@ class _Pickler(cloudpickle.Pickler):
 
         if isinstance(obj, Backend):  # `backend=b` in a shipped header: the server runs it here
             return ("none",)
+        if isinstance(obj, torch.nn.Module):  # one of the model's: its path, never its weights
+            return self._module_ref(obj)
         return None
+
+    def _module_ref(self, module):
+        paths = self._paths
+        if paths is None:
+            root = self._root.__dict__.get("_module") if self._root is not None else None
+            paths = self._paths = {} if not isinstance(root, torch.nn.Module) else {
+                id(m): p for p, m in root.named_modules(remove_duplicate=False)}
+        path = paths.get(id(module))
+        return None if path is None else ("module", path)
 
     def _envoy_ref(self, envoy: Envoy):
         d = envoy.__dict__
@@ -119,6 +147,12 @@ class _Unpickler(pickle.Unpickler):
             return envoy
         if kind == "root":
             return _with_edits(self._base(pid[2]), pid[1])
+        if kind == "module":  # a module of the model (a source operation's `self` argument)
+            try:
+                return root._module.get_submodule(pid[1])
+            except AttributeError:
+                self.missing.append(pid[1])
+                return None
         if kind == "cache":  # tracer.cache()'s view, attached to this side's model
             view = CacheView.__new__(CacheView)
             view.__setstate__(pid[1])

@@ -12,6 +12,7 @@ import torch
 import nnsight_lite
 from nnsight_lite import NNsight
 from nnsight_lite.errors import RemoteError
+from nnsight_lite.remote.client import LocalBackend
 from nnsight_lite.remote.execute import Deadline
 
 
@@ -278,3 +279,74 @@ def test_a_request_gets_no_note_about_another_requests_block(seq):
     from nnsight_lite.capture.body import top_blocks
 
     assert not [key for key in top_blocks if key[0] in alices]
+
+
+def _look_up(table, key):
+    return table[key]  # the helper's line: both tracebacks end here
+
+
+def _user_frames(exc):
+    import traceback
+
+    return [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)
+            if f.filename == __file__]
+
+
+def test_a_remote_error_has_the_local_arguments_and_traceback(seq):
+    """An exception from a remote body arrives as it does locally: the same type and the same
+    arguments (a KeyError's key was the key plus " (remote body, file:line)"), and a traceback
+    through the user's lines, the body's line and the helper it called (it stopped at the
+    with-statement, the line in the message only). Ground truth: plain Python's KeyError and
+    the same block run locally."""
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    errors = []
+    for kw in ({}, {"remote": "local"}):
+        with pytest.raises(KeyError) as info:
+            with model.trace(x, **kw):
+                h = model[1].output
+                _look_up({"kept": h}, "gone")
+        errors.append(info.value)
+    local, remote = errors
+    with pytest.raises(KeyError) as plain:
+        _look_up({}, "gone")
+    assert remote.args == local.args == plain.value.args == ("gone",)
+    assert _user_frames(remote) == _user_frames(local)
+    assert [name for _, _, name in _user_frames(local)][-1] == "_look_up"
+    assert any(n.startswith("remote traceback") for n in remote.__notes__)
+
+
+class _Scaled(torch.nn.Module):
+    """A module whose forward hands itself to a function: `.source`'s `_scale_0` operation's
+    first argument is the module."""
+
+    def __init__(self, width=256):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return _scale(self, self.lin(x))
+
+
+def _scale(module, x):
+    return x * 2 + module.lin.bias
+
+
+def test_a_module_of_the_model_in_saved_values_comes_back_as_itself(seq):
+    """A saved value holding one of the model's modules (a source operation's `self`
+    argument) comes back as the client's module at that path, as locally, not as a pickled
+    copy carrying its weights (256 KB here). Ground truth: the module object itself, and the
+    plain forward for the saved output."""
+    torch.manual_seed(0)
+    net = _Scaled()
+    model = NNsight(net)
+    x = torch.randn(2, 256)
+    backend = LocalBackend()
+    with model.trace(x, backend=backend):
+        args, _ = model.source._scale_0.inputs
+        args = nnsight_lite.save(args)
+        out = model.output.save()
+    assert args[0] is net
+    torch.testing.assert_close(out, net(x), rtol=0, atol=0)
+    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert backend.last_received < weights // 4
