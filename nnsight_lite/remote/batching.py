@@ -19,7 +19,7 @@ import builtins
 from ..capture.parsing import parse
 from ..errors import RemoteError, ResultTooLargeError
 from . import wire
-from .execute import Deadline, compile_body, compiled, describe, execute
+from .execute import USER_ERRORS, Deadline, compile_body, compiled, describe, execute
 from .hook import serving
 
 def _policy(option, model):
@@ -184,7 +184,7 @@ def handle_group(model, payloads: list, options: dict) -> list:
                 r = requests[i]
                 replies[i] = finish(model, reply, _limit(options.get("max_bytes"),
                                                          r.get("max_bytes")), r["filename"])
-        except Exception:  # noqa: BLE001 - one request's mistake: each runs again alone
+        except USER_ERRORS:  # one request's mistake: each runs again alone
             replies = [None] * len(payloads)
     return [r if r is not None else handle(model, p, options) for r, p in zip(replies, payloads)]
 

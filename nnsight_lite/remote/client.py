@@ -213,7 +213,12 @@ def run_remote(ctx, frame, model) -> None:
     if reply.get("stderr"):
         sys.stderr.write(reply["stderr"])
     if reply.get("error") is not None:
-        raise rebuild(reply["error"], frame.f_code.co_name)
+        error = rebuild(reply["error"], frame.f_code.co_name)
+        context = error.__context__
+        try:
+            raise error
+        finally:  # (raise made the with-statement's own exception, being handled, its context)
+            error.__context__ = context
     result = reply.get("result", _MISSING)
     if result is not _MISSING:
         ctx._result = result
@@ -236,8 +241,8 @@ def _batch_inputs(ctx, model, block):
 
 def rebuild(error: dict, caller: str = "<module>") -> BaseException:
     """The exception a remote body raised, as the same type with the same arguments, its
-    traceback the user's frames on the replica (the body's line, the functions it called);
-    ``caller``: the name of the function the block is in (its body's frames show it)."""
+    traceback the user's frames on the replica (the body's line, the functions it called), its
+    cause and context rebuilt alike; ``caller``: the name of the function the block is in (its body's frames show it)."""
     exc = None
     if error["pickled"] is not None:
         try:
@@ -255,6 +260,12 @@ def rebuild(error: dict, caller: str = "<module>") -> BaseException:
     frames = error.get("frames")
     if frames:
         exc.__traceback__ = _user_frames(exc, [(f, n, name or caller) for f, n, name in frames])
+    if error.get("cause") is not None:
+        exc.__cause__ = rebuild(error["cause"], caller)
+    context = error.get("context")
+    if context is not None:
+        exc.__context__ = exc.__cause__ if context == "cause" else rebuild(context, caller)
+    exc.__suppress_context__ = error.get("suppress_context", False)
     return exc
 
 

@@ -40,6 +40,11 @@ from .hook import serving
 _CODES: OrderedDict = OrderedDict()  # (filename, source) -> (code, synthetic filename)
 _CODES_MAX = 256
 _FRAMES_MAX = 64  # user frames an error's reply carries (the innermost; a deep recursion)
+# what a body may raise, to go back to its client: exit() / sys.exit() and KeyboardInterrupt
+# too (raised out of the replica's serving thread, they stopped its event loop: the request
+# and every later one waited for ever)
+USER_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
+_CHAIN_MAX = 4  # exceptions an error's reply carries from its chain (raise ... from ...)
 
 
 def compiled(source: str, filename: str):
@@ -103,7 +108,7 @@ def execute(request: dict, values: dict, *, time_limit: float | None = None, pol
             "connect(..., time_limit=...) up to the deployment's, or do less per request)")
         stopped.__traceback__ = exc.__traceback__
         reply["error"] = describe(stopped, synthetic, filename)
-    except Exception as exc:  # noqa: BLE001 - every failure goes back to the client
+    except USER_ERRORS as exc:  # every failure goes back to the client
         reply["error"] = describe(exc, synthetic, filename)
     finally:
         if scope is not None:  # (its blocks: a later request's dict may get its id)
@@ -131,32 +136,23 @@ def _collect(scope: dict, before: dict):
     return saved, result
 
 
-def describe(exc: BaseException, synthetic: str, filename: str) -> dict:
+def describe(exc: BaseException, synthetic: str, filename: str, _depth: int = 0) -> dict:
     """What the client needs to raise ``exc`` again: the exception itself (pickled if it can
-    be), its type's name, its message, the user's file:line where the body raised it and the
+    be), its type's name, its message, the user's file:line where the body raised it, the
     user's frames from the body down (the client's traceback shows them; the body's own
-    frames unnamed: they are named after the function the with-statement is in)."""
-    line = None
-    frames = []  # the user's frames below the with-statement, as (file, line, function)
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_filename == synthetic:
-            line = tb.tb_lineno
-        if (frames or code.co_filename == synthetic) and not _internal(code):
-            body = code.co_filename == synthetic and code.co_name == "<module>"
-            fn = filename if code.co_filename == synthetic else code.co_filename
-            frames.append((fn, tb.tb_lineno, None if body else code.co_name))
-        tb = tb.tb_next
-    frames = frames[1:][-_FRAMES_MAX:]  # (the first: the shipped with-statement itself)
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    if isinstance(exc, PolicyError):  # refused before anything ran: the replica's frames are noise
-        text = ""
+    frames unnamed: they are named after the function the with-statement is in), and the
+    exceptions it was raised from or while handling (``cause``, ``context``), described alike."""
+    line, frames = _frames(exc.__traceback__, synthetic, filename)
+    text = ""
+    if not _depth and not isinstance(exc, PolicyError):  # (refused before anything ran: the
+        # replica's frames are noise; a chained exception is in its chain's text already)
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     message = str(exc)
     if synthetic:
         text = text.replace(synthetic, filename)
         message = message.replace(synthetic, filename)
         _fix_args(exc, synthetic, filename)
+    cause, context = exc.__cause__, exc.__context__
     exc.__traceback__ = None
     exc.__context__ = exc.__cause__ = None
     try:
@@ -165,7 +161,7 @@ def describe(exc: BaseException, synthetic: str, filename: str) -> dict:
         pickled = cloudpickle.dumps(exc)
     except Exception:  # noqa: BLE001 - an exception that cannot be pickled: its type and text
         pickled = None
-    return {
+    described = {
         "pickled": pickled,
         "module": type(exc).__module__,
         "qualname": type(exc).__qualname__,
@@ -173,7 +169,35 @@ def describe(exc: BaseException, synthetic: str, filename: str) -> dict:
         "location": f"{filename}:{line}" if line is not None else None,
         "frames": frames,
         "traceback": text,
+        "suppress_context": exc.__suppress_context__,
     }
+    if _depth < _CHAIN_MAX:
+        if cause is not None:
+            described["cause"] = describe(cause, synthetic, filename, _depth + 1)
+        if context is not None:
+            described["context"] = "cause" if context is cause else \
+                describe(context, synthetic, filename, _depth + 1)
+    return described
+
+
+def _frames(tb, synthetic: str, filename: str):
+    """The user's last line in the shipped block, and the user's frames in ``tb`` from the
+    body down as (file, line, function), not the shipped with-statement's own frame."""
+    line = None
+    frames = []
+    while tb is not None:
+        frame = tb.tb_frame
+        code = frame.f_code
+        if code.co_filename == synthetic:
+            line = tb.tb_lineno
+            top = frame.f_back is not None and frame.f_back.f_code is execute.__code__
+            if not top:  # (the body's frames are named after the caller's function)
+                frames.append((filename, tb.tb_lineno,
+                               None if code.co_name == "<module>" else code.co_name))
+        elif frames and not _internal(code):
+            frames.append((code.co_filename, tb.tb_lineno, code.co_name))
+        tb = tb.tb_next
+    return line, frames[-_FRAMES_MAX:]
 
 
 def _fix_args(exc, synthetic, filename):

@@ -42,6 +42,25 @@ def test_time_limit_stops_body_and_replica_stays_healthy(served, mlp_model):
     assert torch.allclose(out, model._module(_x()))
 
 
+def test_exit_in_a_body_reaches_the_client_and_the_replica_serves_on(served, mlp_model):
+    """`raise SystemExit(3)` (exit(), sys.exit(3)) in a remote body reaches the client as
+    SystemExit(3), as locally, and the same replica serves the next request. It was no
+    Exception: it left the replica's serving thread and stopped the actor's event loop, so
+    that request and every later one to the replica waited for ever (here: the client's
+    time limit plus its slack, then RemoteTimeoutError). Ground truth: the plain module."""
+    model = mlp_model
+    backend = remote.Backend("mlp", time_limit=2.0)
+    backend._replicas["mlp"] = replicas_of("mlp")[:1]  # both requests go to one replica
+    with pytest.raises(SystemExit) as info:
+        with model.trace(_x(), backend=backend):
+            if model[0].output.shape[0] == 2:
+                raise SystemExit(3)
+    assert info.value.args == (3,)
+    with model.trace(_x(), backend=backend):
+        out = model.output.save()
+    assert torch.allclose(out, model._module(_x()))
+
+
 def test_a_header_calling_python_after_the_trace_runs_on_a_replica_that_served_before(
         served, mlp_model):
     """`with model.trace(x, backend=b), contextlib.nullcontext():` on a replica whose earlier

@@ -350,3 +350,46 @@ def test_a_module_of_the_model_in_saved_values_comes_back_as_itself(seq):
     torch.testing.assert_close(out, net(x), rtol=0, atol=0)
     weights = sum(p.numel() * p.element_size() for p in net.parameters())
     assert backend.last_received < weights // 4
+
+
+def test_a_remote_error_keeps_the_exception_it_was_raised_from(seq):
+    """`raise ValueError(...) from err` in a remote body: the client's exception has the same
+    __cause__ (type, arguments, the user's line) and __context__ as locally; the replica
+    dropped both. Ground truth: the same block run locally."""
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    errors = []
+    for kw in ({}, {"remote": "local"}):
+        with pytest.raises(ValueError, match="wrapped") as info:
+            with model.trace(x, **kw):
+                h = model[1].output
+                try:
+                    _look_up({"kept": h}, "gone")
+                except KeyError as err:
+                    raise ValueError("wrapped") from err
+        errors.append(info.value)
+    local, remote = errors
+    assert type(remote.__cause__) is type(local.__cause__) is KeyError
+    assert remote.__cause__.args == local.__cause__.args == ("gone",)
+    assert remote.__context__ is remote.__cause__ and remote.__suppress_context__
+    assert _user_frames(remote.__cause__) == _user_frames(local.__cause__)
+    assert _user_frames(remote) == _user_frames(local)
+
+
+def test_exit_in_a_remote_body_reaches_the_client_as_locally(seq):
+    """`raise SystemExit(3)` (what exit() and sys.exit(3) raise) in a remote body: the client
+    gets SystemExit(3) with the user's line last in its traceback, as locally. The server let
+    it pass (it is no Exception): here it skipped the reply, on a replica it stopped the
+    serving loop. Ground truth: the same block run locally."""
+    model = NNsight(seq)
+    errors = []
+    for kw in ({}, {"remote": "local"}):
+        with pytest.raises(SystemExit) as info:
+            with model.trace(torch.randn(2, 6), **kw):
+                if model[1].output.shape[0] == 2:
+                    raise SystemExit(3)
+        errors.append(info.value)
+    local, remote = errors
+    assert remote.args == local.args == (3,)
+    assert _user_frames(remote) == _user_frames(local)
+    assert "raise SystemExit" in __import__("traceback").extract_tb(remote.__traceback__)[-1].line
