@@ -14,7 +14,8 @@ Example::
 Only the with-block's source, the caller values it reads and (on the way back) the saved
 values cross: an Envoy is pickled as its module path, never with its module, so no weights
 travel; so does a module of the model met in the values (a source operation's ``self``
-argument), as its path. A ``tracer.cache()`` view travels as its records and is attached to the model on the
+argument), as its path. A tensor viewing part of a bigger storage (a slice of the logits)
+travels as a compact copy of what it shows. A ``tracer.cache()`` view travels as its records and is attached to the model on the
 other side, so it navigates there as it did here (``cache.model[1].output``). A client model
 with persistent edits (``model.edit()``) travels as the root plus each
 edit's source and the values it reads; the server applies them to a copy of the served model.
@@ -55,6 +56,13 @@ def _code_reduce(code):
 _CLOUDPICKLE_CODE_REDUCE = cloudpickle.Pickler.dispatch_table[types.CodeType]
 
 
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without the rest of its storage: pickling a view (``logits[:, -1]``, an invoke's
+    rows, a cached row) writes the whole storage it views, so a small saved slice of a big
+    tensor sent all of it (a reply over the byte cap). A leaf copy, requiring grad as ``t``."""
+    return t.detach().clone().requires_grad_(t.requires_grad)
+
+
 class _Pickler(cloudpickle.Pickler):
     dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
 
@@ -67,6 +75,12 @@ class _Pickler(cloudpickle.Pickler):
         self._names = _tree_spec(self._tree)  # one object: pickled once, then by reference
         self._tokenizer = d.get("_tokenizer")
         self._generator = d.get("_generator")
+
+    def reducer_override(self, obj):
+        if type(obj) is torch.Tensor and obj.layout is torch.strided and not obj.is_meta and \
+                obj.untyped_storage().nbytes() > obj.numel() * obj.element_size():
+            return _compact(obj).__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return super().reducer_override(obj)
 
     def persistent_id(self, obj):
         if type(obj) in _PLAIN:

@@ -393,3 +393,21 @@ def test_exit_in_a_remote_body_reaches_the_client_as_locally(seq):
     assert remote.args == local.args == (3,)
     assert _user_frames(remote) == _user_frames(local)
     assert "raise SystemExit" in __import__("traceback").extract_tb(remote.__traceback__)[-1].line
+
+
+def test_a_saved_slice_sends_its_own_bytes_not_the_whole_tensor(seq):
+    """A saved view of a big activation (one row of the output of a 4096-row batch, as
+    `logits[:, -1]` is of the logits) comes back as that row's bytes: the pickled view wrote
+    the whole storage (96 KB here), so a 4 KB byte cap refused a 24-byte value. Two saved
+    names for one view stay one object. Ground truth: the plain forward."""
+    model = NNsight(seq)
+    x = torch.randn(4096, 6)
+    backend = LocalBackend()
+    backend.max_bytes = 4096
+    with model.trace(x, backend=backend):
+        row = model.output[7].save()
+        same = nnsight_lite.save([row, row])
+    want = seq(x)
+    torch.testing.assert_close(row, want[7], rtol=0, atol=0)
+    assert same[0] is same[1] is row
+    assert row.untyped_storage().nbytes() == row.numel() * row.element_size()
