@@ -223,7 +223,11 @@ def run_remote(ctx, frame, model) -> None:
     if result is not _MISSING:
         ctx._result = result
     from ..capture import write_back
+    from ..envoy import _saved_stack
 
+    stack = _saved_stack()
+    if stack:  # a block nested in a local body (a session's): saved there too, as locally
+        stack[-1].update({id(v): v for v in reply["saved"].values()})
     write_back(frame, reply["saved"])
 
 

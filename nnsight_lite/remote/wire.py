@@ -303,11 +303,26 @@ def caller_values(frame, names) -> dict:
     f_globals = frame.f_globals
     out = {}
     for name in names:
-        if name in f_locals:
-            out[name] = f_locals[name]
-        elif name in f_globals:
-            out[name] = f_globals[name]
+        value = _lookup(f_locals, name)
+        if value is _ABSENT and f_globals is not f_locals:
+            value = _lookup(f_globals, name)
+        if value is not _ABSENT:
+            out[name] = value
     return {k: v for k, v in out.items() if not _is_context(v) and not _is_builtin(k, v)}
+
+
+_ABSENT = object()
+
+
+def _lookup(mapping, name):
+    """``mapping[name]``, or _ABSENT. A body's namespace (a Scope: a block nested in a local
+    session's body) holds only the body's own names and finds the caller's by indexing."""
+    if type(mapping) is dict:
+        return mapping.get(name, _ABSENT)
+    try:
+        return mapping[name]
+    except KeyError:
+        return _ABSENT
 
 
 def _is_context(value) -> bool:

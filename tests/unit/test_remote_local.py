@@ -411,3 +411,21 @@ def test_a_saved_slice_sends_its_own_bytes_not_the_whole_tensor(seq):
     torch.testing.assert_close(row, want[7], rtol=0, atol=0)
     assert same[0] is same[1] is row
     assert row.untyped_storage().nbytes() == row.numel() * row.element_size()
+
+
+def test_a_remote_trace_in_a_local_session_reads_the_callers_names_and_saves(seq):
+    """A remote trace nested in a local session's body: it reads the caller's names through
+    the session's namespace (none were shipped: NameError on the server for `model`), and
+    what it saves is saved in the session too, so a later local trace there uses it and it
+    is bound after the session (it was dropped). Ground truth: the plain modules."""
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    with model.session():
+        with model.trace(x, remote="local"):
+            h = model[1].output.save()
+        with model.trace(x):
+            model[1].output[:] = h * 2
+            out = model.output.save()
+    h_want = seq[1](seq[0](x))
+    torch.testing.assert_close(h, h_want, rtol=0, atol=0)
+    torch.testing.assert_close(out, seq[3](seq[2](h_want * 2)), rtol=0, atol=0)
