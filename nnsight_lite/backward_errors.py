@@ -6,6 +6,7 @@
       _bad_request          a ``.grad`` read of a non-tensor, of a tensor that does not
                             require grad, or after the backward finished
     missed_error          a ``.grad`` read that backprop never answered, with the likely reason
+    remote_leaf(t)        mark a tensor a remote trace sent back (a leaf: its graph stayed there)
     no_grad_trace         the sentence naming generate where a loss has no gradient there
     _describe             a value as a message names it: a tensor's shape and dtype
     grad_expr             what the user's line takes ``.grad`` of, for the example in advice
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import linecache
 import re
+import weakref
 
 import torch
 
@@ -28,6 +30,19 @@ from .errors import GradientError
 from .workers import _getcurrent, user_location
 
 _FREED = "backward through the graph a second time"  # autograd's message, freed graph
+
+# id -> tensor, for the tensors that requiring grad came back from a remote trace (weak: no
+# tensor is kept; by id, as tensors compare elementwise)
+_REMOTE_LEAVES: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def remote_leaf(t) -> None:
+    """Remember that ``t`` came back from a remote trace: a leaf whose graph stayed there."""
+    _REMOTE_LEAVES[id(t)] = t
+
+
+def _from_remote(t) -> bool:
+    return t is not None and _REMOTE_LEAVES.get(id(t)) is t
 
 
 _GRAD_OF = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*|\[[^\[\]\n]*\])*)\.grad\b")
@@ -97,7 +112,11 @@ def missed_error(t, where: str, inputs, last, loss=None) -> GradientError:
     base = t._base if t._base is not None and t._base.requires_grad else None
     # (whether the loss's graph holds t and its base: None where there is no graph to walk)
     on, on_base = _graph_holds(loss, (t, t if base is None else base))
-    if inputs is not None and not any(t is i for i in _as_tuple(inputs)):
+    if on is not True and (_from_remote(t) or _from_remote(loss)):
+        why = ("it came back from a remote trace, as a leaf: the graph that linked it to "
+               "the loss stayed on the server. Run the backward in the remote trace's body "
+               "(`with loss.backward():` there) and save the gradients you need")
+    elif inputs is not None and not any(t is i for i in _as_tuple(inputs)):
         why = ("this backward was given inputs=, and backprop runs only as far as those "
                "tensors need: add it to inputs= (or leave inputs= out)")
     elif base is not None and on is not True and on_base is not False:

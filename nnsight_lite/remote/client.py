@@ -23,6 +23,8 @@ import sys
 import threading
 import types
 
+import torch
+
 from ..errors import RemoteError, RemoteTimeoutError
 from ..mediator import _MISSING
 from . import wire
@@ -225,10 +227,24 @@ def run_remote(ctx, frame, model) -> None:
     from ..capture import write_back
     from ..envoy import _saved_stack
 
+    _mark_leaves(reply["saved"].values(), 3)
     stack = _saved_stack()
     if stack:  # a block nested in a local body (a session's): saved there too, as locally
         stack[-1].update({id(v): v for v in reply["saved"].values()})
     write_back(frame, reply["saved"])
+
+
+def _mark_leaves(values, depth: int) -> None:
+    """Remember the saved tensors that require grad (in containers ``depth`` deep): a
+    backward from them here says that their graph stayed on the server."""
+    from ..backward_errors import remote_leaf
+
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if v.requires_grad:
+                remote_leaf(v)
+        elif depth and isinstance(v, (list, tuple, dict)):
+            _mark_leaves(v.values() if isinstance(v, dict) else v, depth - 1)
 
 
 def _batch_inputs(ctx, model, block):

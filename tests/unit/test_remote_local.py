@@ -429,3 +429,31 @@ def test_a_remote_trace_in_a_local_session_reads_the_callers_names_and_saves(seq
     h_want = seq[1](seq[0](x))
     torch.testing.assert_close(h, h_want, rtol=0, atol=0)
     torch.testing.assert_close(out, seq[3](seq[2](h_want * 2)), rtol=0, atol=0)
+
+
+def test_a_backward_between_remotely_saved_tensors_says_to_run_it_remotely(seq):
+    """Locally, a backward after the trace from one saved tensor to another works (they share
+    a graph); tensors a remote trace saved arrive as separate leaves, so the same code cannot
+    reach `h`: the GradientError says why and what to do (it said to check the loss is
+    computed from it, which the user's code does). Ground truth: the local run's gradient
+    equals autograd's on the plain modules."""
+    from nnsight_lite.errors import GradientError
+
+    model = NNsight(seq)
+    x = torch.randn(2, 6)
+    with model.trace(x):
+        h = model[1].output.save()
+        out = model.output.save()
+    with out.sum().backward():
+        g = h.grad.save()
+    h_ref = seq[1](seq[0](x)).detach().requires_grad_(True)
+    seq[3](seq[2](h_ref)).sum().backward()
+    torch.testing.assert_close(g, h_ref.grad)
+    with model.trace(x, remote="local"):
+        h = model[1].output.save()
+        out = model.output.save()
+    assert h.requires_grad and h.is_leaf
+    with pytest.raises(GradientError, match="came back from a remote trace.*stayed on the "
+                       r"server. Run the backward in the remote trace's body"):
+        with out.sum().backward():
+            h.grad.save()
