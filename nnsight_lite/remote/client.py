@@ -261,8 +261,9 @@ def _batch_inputs(ctx, model, block):
 
 def rebuild(error: dict, caller: str = "<module>") -> BaseException:
     """The exception a remote body raised, as the same type with the same arguments, its
-    traceback the user's frames on the replica (the body's line, the functions it called), its
-    cause and context rebuilt alike; ``caller``: the name of the function the block is in (its body's frames show it)."""
+    traceback the user's frames on the replica (the body's line, the functions it called),
+    its cause and context rebuilt alike; ``caller``: the name of the function the block is
+    in (its body's frames show it)."""
     exc = None
     if error["pickled"] is not None:
         try:
@@ -298,6 +299,8 @@ def _user_frames(exc: BaseException, frames):
 
     tb = None
     for filename, lineno, name in reversed(frames):
+        if not isinstance(lineno, int) or lineno < 1:  # (a frame with no line: not shown)
+            continue
         text = linecache.getline(filename, lineno)
         start, end = len(text) - len(text.lstrip()), len(text.rstrip())
         at = {"lineno": lineno, "end_lineno": lineno, "col_offset": start,

@@ -15,8 +15,9 @@ Only the with-block's source, the caller values it reads and (on the way back) t
 values cross: an Envoy is pickled as its module path, never with its module, so no weights
 travel; so does a module of the model met in the values (a source operation's ``self``
 argument), as its path. A tensor viewing part of a bigger storage (a slice of the logits)
-travels as a compact copy of what it shows. A ``tracer.cache()`` view travels as its records and is attached to the model on the
-other side, so it navigates there as it did here (``cache.model[1].output``). A client model
+travels as a compact copy of what it shows. A ``tracer.cache()`` view travels as its
+records and is attached to the model on the other side, so it navigates there as it did
+here (``cache.model[1].output``). A client model
 with persistent edits (``model.edit()``) travels as the root plus each
 edit's source and the values it reads; the server applies them to a copy of the served model.
 A client model wrapped with ``rename=`` / ``envoys=`` sends those aliases and Envoy classes with
