@@ -5,9 +5,10 @@
 
 Without a window each request runs alone on the replica's serving thread, in arrival order.
 With ``batch_window`` (seconds), requests arriving within the window are taken together: the
-plain single-input traces among them (no ``as`` target, no ``print``, no edits) run as the
-invokes of ONE trace, each body with its own rows, its own caller values and its own saved
-names; the others run alone. If the shared run raises, each of its requests runs again alone,
+plain single-input traces among them (no ``as`` target, no ``print``, no edits) whose inputs
+batch without padding (a LanguageModel's prompts of one token length) run as the invokes of
+ONE trace, each body with its own rows, its own caller values and its own saved names; the
+others run alone. If the shared run raises, each of its requests runs again alone,
 so one request's mistake fails only that request, with its own error and line.
 """
 
@@ -15,6 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+from collections.abc import Mapping
+
+import torch
 
 from ..capture.parsing import parse
 from ..errors import RemoteError, ResultTooLargeError
@@ -175,18 +179,54 @@ def handle_group(model, payloads: list, options: dict) -> list:
     together = [i for i, r in enumerate(requests) if r is not None and r.get("inputs")
                 and not options.get("policy") and _other_model(model, r, options) is None]
     replies: list = [None] * len(payloads)
-    if len(together) > 1:
-        batch = [requests[i] for i in together]
+    groups: dict = {}
+    for i in together:
+        groups.setdefault(_alike(model, requests[i]["inputs"]), []).append(i)
+    for key, group in groups.items():
+        if key is None or len(group) < 2:
+            continue
+        batch = [requests[i] for i in group]
         limits = [_limit(options.get("time_limit"), r.get("time_limit")) for r in batch]
         limit = min((x for x in limits if x is not None), default=None)
         try:
-            for i, reply in zip(together, run_batched(model, batch, limit)):
+            for i, reply in zip(group, run_batched(model, batch, limit)):
                 r = requests[i]
                 replies[i] = finish(model, reply, _limit(options.get("max_bytes"),
                                                          r.get("max_bytes")), r["filename"])
         except USER_ERRORS:  # one request's mistake: each runs again alone
-            replies = [None] * len(payloads)
+            for i in group:
+                replies[i] = None
     return [r if r is not None else handle(model, p, options) for r, p in zip(replies, payloads)]
+
+
+def _alike(model, inputs):
+    """What requests must share to run as invokes of one forward and each get what it gets
+    alone: the dtype and shape past the first dimension of every tensor of its inputs as the
+    model batches them (a LanguageModel's token ids: prompts of other lengths would be padded,
+    and a body would see, save and edit the padded rows), the types of the other values. None
+    where the inputs cannot be prepared (the request then runs alone and says why)."""
+    try:
+        args, kwargs, _ = model._batch_inputs([model._prepare_inputs(*inputs[0], **inputs[1])])
+    except Exception:  # noqa: BLE001 - the request's own error, given when it runs alone
+        return None
+    key: list = []
+
+    def walk(v, depth):
+        if isinstance(v, torch.Tensor):
+            key.append((v.dtype, tuple(v.shape[1:]), v.device))
+        elif depth and isinstance(v, (list, tuple)):
+            key.append((type(v), len(v)))
+            for x in v:
+                walk(x, depth - 1)
+        elif depth and isinstance(v, Mapping):
+            key.append((type(v), tuple(map(repr, v))))
+            for x in v.values():
+                walk(x, depth - 1)
+        else:
+            key.append(type(v))
+
+    walk((args, kwargs), 4)
+    return tuple(key)
 
 
 class Batcher:

@@ -100,3 +100,46 @@ def test_one_failing_request_fails_alone(batching, mlp_model):
     last = traceback.extract_tb(err.__traceback__)[-1]  # the user's line, as locally
     assert last.filename == __file__ and "raise LookupError" in last.line
     assert torch.allclose(out, model._module(a))
+
+
+@pytest.fixture(scope="module")
+def gpt2_batching(served):
+    """The tiny GPT-2 served again as "gpt2-batch", gathering requests for 0.5 s."""
+    handles = remote.serve(served["gpt2"], name="gpt2-batch", batch_window=0.5, num_cpus=0.25)
+    try:
+        yield handles[0]
+    finally:
+        remote.stop("gpt2-batch")
+
+
+def test_prompts_of_other_lengths_are_not_padded_together(gpt2_batching, gpt2_meta, gpt2_local):
+    """Three clients' single-prompt traces arrive together: the two prompts of one token
+    length share a forward, the third (shorter) runs alone, and each saved hidden state has
+    its own prompt's length and values, as a local run. Batched with the others, the short
+    prompt was left-padded: its body saw, saved (and would have edited) 9 positions where a
+    local trace has 2. Ground truth: a forward hook on the plain transformers model."""
+    prompts = ["the tower", "the arena", "hi"]
+
+    def client(prompt):
+        def job():
+            backend = remote.Backend("gpt2-batch")
+            with gpt2_meta.trace(prompt, backend=backend):
+                h = gpt2_meta.transformer.h[1].output.save()
+            return h, backend.last_batch
+        return job
+
+    results = _together(*(client(p) for p in prompts))
+    assert not any(isinstance(r, Exception) for r in results), results
+    assert [batch for _, batch in results] == [2, 2, 1]
+    hf = gpt2_local._module
+    for prompt, (h, _) in zip(prompts, results):
+        got = []
+        handle = hf.transformer.h[1].register_forward_hook(lambda m, i, o: got.append(o))
+        try:
+            with torch.no_grad():
+                hf(**gpt2_local.tokenizer(prompt, return_tensors="pt"))
+        finally:
+            handle.remove()
+        want = got[0][0] if isinstance(got[0], tuple) else got[0]
+        assert h.shape == want.shape == (1, len(prompt), 32)
+        torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-5)
