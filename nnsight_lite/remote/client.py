@@ -270,6 +270,8 @@ def rebuild(error: dict, caller: str = "<module>") -> BaseException:
             exc = wire.loads(error["pickled"], None)
         except Exception:  # noqa: BLE001 - a type this side cannot import
             exc = None
+    if exc is None and error.get("parts") is not None:
+        exc = _from_parts(error["parts"])
     where = error["location"]
     if exc is None:
         message = error["message"]
@@ -288,6 +290,19 @@ def rebuild(error: dict, caller: str = "<module>") -> BaseException:
         exc.__context__ = exc.__cause__ if context == "cause" else rebuild(context, caller)
     exc.__suppress_context__ = error.get("suppress_context", False)
     return exc
+
+
+def _from_parts(parts: bytes):
+    """An exception whose pickle cannot rebuild it (``__init__(self, a, b)`` called with its
+    one message), from its class, args and attributes, without calling ``__init__``; or None."""
+    try:
+        cls, args, state = wire.loads(parts, None)
+        exc = cls.__new__(cls, *args)
+        exc.args = args
+        exc.__dict__.update(state)
+        return exc
+    except Exception:  # noqa: BLE001 - a type this side cannot import, a __new__ of its own
+        return None
 
 
 def _user_frames(exc: BaseException, frames):

@@ -155,14 +155,20 @@ def describe(exc: BaseException, synthetic: str, filename: str, _depth: int = 0)
     cause, context = exc.__cause__, exc.__context__
     exc.__traceback__ = None
     exc.__context__ = exc.__cause__ = None
-    try:
-        import cloudpickle
+    import cloudpickle
 
+    pickled = parts = None
+    try:
         pickled = cloudpickle.dumps(exc)
-    except Exception:  # noqa: BLE001 - an exception that cannot be pickled: its type and text
-        pickled = None
+        cloudpickle.loads(pickled)
+    except Exception:  # noqa: BLE001 - one pickle cannot rebuild (an __init__ of its own)
+        try:  # its class, args and attributes, for the client to put together without __init__
+            parts = cloudpickle.dumps((type(exc), exc.args, dict(getattr(exc, "__dict__", {}))))
+        except Exception:  # noqa: BLE001 - what it holds cannot be pickled: type and text
+            parts = None
     described = {
         "pickled": pickled,
+        "parts": parts,
         "module": type(exc).__module__,
         "qualname": type(exc).__qualname__,
         "message": message,

@@ -457,3 +457,31 @@ def test_a_backward_between_remotely_saved_tensors_says_to_run_it_remotely(seq):
                        r"server. Run the backward in the remote trace's body"):
         with out.sum().backward():
             h.grad.save()
+
+
+class _Mismatch(Exception):
+    """An exception with an __init__ of its own: its pickle (class and args) cannot rebuild it."""
+
+    def __init__(self, got, want):
+        super().__init__(f"got {got}, want {want}")
+        self.got, self.want = got, want
+
+
+def test_an_exception_with_its_own_init_arrives_as_its_type(seq):
+    """A body raising an exception class whose __init__ takes other arguments than its
+    message: the client gets that class, with the local args and attributes (it got a
+    RemoteError naming the class: unpickling called __init__ with the message alone).
+    Ground truth: the same block run locally."""
+    model = NNsight(seq)
+    errors = []
+    for kw in ({}, {"remote": "local"}):
+        with pytest.raises(_Mismatch) as info:
+            with model.trace(torch.randn(2, 6), **kw):
+                rows = model[1].output.shape[0]
+                raise _Mismatch(rows, 3)
+        errors.append(info.value)
+    local, remote = errors
+    assert type(remote) is type(local) is _Mismatch
+    assert remote.args == local.args == ("got 2, want 3",)
+    assert (remote.got, remote.want) == (local.got, local.want) == (2, 3)
+    assert _user_frames(remote) == _user_frames(local)
