@@ -13,10 +13,10 @@ on the tokenizer's side, the left unless ``tokenizer_kwargs={"padding_side": "ri
 ``model.tokenizer.padding_side = "right"``) asks for the right, as in nnsight; on the left
 the last position holds every prompt's last token (text without tokenizer options
 goes through the tokenizer in one call for all invokes; token-id tensors are taken as they
-are). Where there is padding and the model's forward takes ``position_ids``, they are computed
-from the attention mask as HF ``generate`` does, so a prompt's activations do not depend on the
-other prompts of the batch (GPT-2's absolute position embeddings would otherwise shift with
-the padding).
+are). Where there is padding and the model's forward takes ``position_ids``, they count from
+each row's first unmasked token (``prompts._with_position_ids``), so a prompt's activations do
+not depend on the other prompts of the batch (GPT-2's absolute position embeddings would
+otherwise shift with the padding).
 
 Apart from language.py because it is the seam ``NNsight`` leaves a wrapper for its own kind of
 input (``_prepare_inputs``/``_batch_inputs``, model.py). It reads the model only through

@@ -324,12 +324,16 @@ def _batch_embeds(kws: list, sizes: list, embeds: list, position_ids: bool, on: 
 
 
 def _with_position_ids(kwargs: dict, position_ids: bool) -> dict:
-    """``kwargs`` with position ids counted over the attention mask where it has padding (and
-    the model takes them, and none were given), as HF generate counts them: padding does not
-    shift a prompt's positions."""
+    """``kwargs`` with position ids where the attention mask has padding (and the model takes
+    them, and none were given): each row's positions count from its first unmasked token, so
+    left padding does not shift a prompt's positions, and a masked token after it (a mask
+    with a hole) does not shift the later ones, as in the plain forward of that prompt alone
+    (counting over the mask, as HF generate does, moved them)."""
     mask = kwargs["attention_mask"]
     if position_ids and "position_ids" not in kwargs and not bool(mask.all()):
-        kwargs["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        lead = ((mask != 0).long().cummax(-1).values == 0).sum(-1, keepdim=True)  # padding
+        pos = torch.arange(mask.shape[-1], device=mask.device).expand(mask.shape)
+        kwargs["position_ids"] = (pos - lead).clamp(min=0)
     return kwargs
 
 

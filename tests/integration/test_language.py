@@ -754,6 +754,40 @@ class TestAgainstTransformers:
         torch.testing.assert_close(logits, plain)
         torch.testing.assert_close(again, plain)
 
+    def test_a_mask_with_a_hole_keeps_the_plain_forwards_positions(self, lm, hf, arch):
+        """A prompt's own mask with a masked token inside it (a token knocked out), in a trace
+        of its own and as the shorter (left-padded) invoke beside a longer prompt: the tokens
+        after the hole keep their positions, so logits and block outputs equal the plain HF
+        forward given that mask (positions counted over the mask moved them: ~2.6 off on
+        Llama). The other invoke is unchanged."""
+        enc = tokenize(lm, PROMPTS[:1])
+        ids, mask = enc["input_ids"], enc["attention_mask"].clone()
+        mask[0, 2] = 0
+        other = "the big red dog sat on the mat and the small cat sat"
+        seen = {}
+        hook = layers(hf, arch)[1].register_forward_hook(lambda m, a, o: seen.setdefault(0, o))
+        try:
+            with torch.no_grad():
+                plain = hf(input_ids=ids, attention_mask=mask).logits
+        finally:
+            hook.remove()
+        with torch.no_grad():
+            plain_other = hf(**tokenize(lm, [other])).logits
+        with lm.trace({"input_ids": ids, "attention_mask": mask}):
+            alone = lm.lm_head.output.save()
+        with lm.trace() as tracer:
+            with tracer.invoke({"input_ids": ids, "attention_mask": mask}):
+                h = layers(lm, arch)[1].output.save()
+                holed = lm.lm_head.output.save()
+            with tracer.invoke(other):
+                longer = lm.lm_head.output.save()
+        n = ids.shape[1]
+        assert holed.shape[1] > n  # padded on the left beside the longer prompt
+        torch.testing.assert_close(alone, plain)
+        torch.testing.assert_close(holed[:, -n:], plain, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(h[:, -n:], seen[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(longer, plain_other, atol=1e-4, rtol=1e-4)
+
     def test_attention_mask_none_is_no_mask(self, lm, hf):
         """``attention_mask=None`` (HF's default, passed on by code with an optional mask) is
         no mask: with a text prompt it was refused ("the tokenizer makes the mask"), and given
