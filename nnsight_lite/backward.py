@@ -218,10 +218,10 @@ class Backward(BackwardErrors, BodyContext):
 
     # ---- body side
 
-    def request(self, t):
+    def request(self, t, view=None):
         rows = _rows_of(t)
         if rows is not None:  # an invoke's view of a batched activation: its rows of the grad
-            full = self.request(rows[0])
+            full = self.request(rows[0], t)
             return None if full is None else full.narrow(0, rows[1], rows[2])
         if t is self.cur:
             return self.cur_value
@@ -230,10 +230,11 @@ class Backward(BackwardErrors, BodyContext):
         seq = _seq_of(t)
         if self._seq is not None and seq is not None and seq > self._seq:
             raise OutOfOrderError(
-                f".grad of a {_describe(t)} was read at {user_location()}, but backprop has "
-                f"already passed it: it was computed after the {_describe(self._last)} whose "
-                ".grad was read before it. Gradients arrive in reverse execution order: read "
-                "the later tensor's .grad first (here: this one before the other)."
+                f".grad of a {_describe(t if view is None else view)} was read at "
+                f"{user_location()}, but backprop has already passed it: it was computed after "
+                f"the {_describe(self._last)} whose .grad was read before it. Gradients arrive "
+                "in reverse execution order: read the later tensor's .grad first (here: this "
+                "one before the other)." + ("" if view is None else _SHARED.format(tuple(t.shape)))
             )
         self._pending_seq = seq
         return self._wait(t)
@@ -256,6 +257,14 @@ class Backward(BackwardErrors, BodyContext):
         g = self._greenlet
         where = user_location(g.gr_frame) if g.gr_frame is not None else "<unknown>"
         return missed_error(self._pending, where, self._args[3], self._last, self._loss)
+
+
+_SHARED = (
+    " This tensor is an invoke's rows of a batched activation of shape "
+    "{}: all invokes' rows get their gradient at once, so read a module's .grad in every "
+    "invoke before an earlier module's (with several invokes: for each module from the "
+    "last, each invoke's value of it)."
+)
 
 
 def _seq_of(t):

@@ -788,6 +788,57 @@ class TestAgainstTransformers:
         torch.testing.assert_close(h[:, -n:], seen[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(longer, plain_other, atol=1e-4, rtol=1e-4)
 
+    def test_attribution_grads_of_two_invokes(self, lm, hf, arch):
+        """Attribution patching over clean and corrupted invokes: each module's .grad read in
+        both invokes (from the last module back) equals plain retain_grad on each prompt
+        alone. Reading one invoke's grads of all modules first, then the other's, raises
+        OutOfOrderError describing the invoke's own tensor (not the batch's) and saying that
+        the invokes' rows share one gradient (it described only the batch's tensor, of the
+        same shape at every layer)."""
+        from nnsight_lite.errors import OutOfOrderError
+
+        clean, corrupt = PROMPTS[0], PROMPTS[2]
+        with lm.trace() as tracer:
+            with tracer.invoke(clean):
+                hc = [layers(lm, arch)[i].output for i in (0, 2)]
+                lc = lm.lm_head.output[0, -1]
+            with tracer.invoke(corrupt):
+                hx = [layers(lm, arch)[i].output for i in (0, 2)]
+                lx = lm.lm_head.output[0, -1]
+            with tracer.invoke():
+                with (lc[3] - lc[4] + lx[3] - lx[4]).backward():
+                    gx2, gc2 = hx[1].grad.save(), hc[1].grad.save()
+                    gx0, gc0 = hx[0].grad.save(), hc[0].grad.save()
+
+        def plain(prompt):
+            kept = {}
+            hooks = [layers(hf, arch)[i].register_forward_hook(
+                lambda m, a, o, i=i: (o.retain_grad(), kept.__setitem__(i, o)) and None)
+                for i in (0, 2)]
+            try:
+                out = hf(**lm.tokenizer(prompt, return_tensors="pt")).logits[0, -1]
+            finally:
+                for h in hooks:
+                    h.remove()
+            (out[3] - out[4]).backward()
+            hf.zero_grad()
+            return kept[0].grad, kept[2].grad
+
+        for (g0, g2), want in (((gc0, gc2), plain(clean)), ((gx0, gx2), plain(corrupt))):
+            n = want[0].shape[1]
+            torch.testing.assert_close(g0[:, -n:], want[0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(g2[:, -n:], want[1], atol=1e-5, rtol=1e-4)
+        with pytest.raises(OutOfOrderError, match=r"(?s)tensor of shape \(1, 8, 32\).*"
+                           r"an invoke's rows of a batched activation of shape \(2, 8, 32\)"):
+            with lm.trace() as tracer:
+                with tracer.invoke(clean):
+                    hc = [layers(lm, arch)[i].output for i in (0, 2)]
+                with tracer.invoke(corrupt):
+                    hx = [layers(lm, arch)[i].output for i in (0, 2)]
+                    loss = lm.lm_head.output.sum()
+                    with loss.backward():
+                        g = [hx[1].grad, hx[0].grad, hc[1].grad]
+
     def test_attention_mask_none_is_no_mask(self, lm, hf):
         """``attention_mask=None`` (HF's default, passed on by code with an optional mask) is
         no mask: with a text prompt it was refused ("the tokenizer makes the mask"), and given
