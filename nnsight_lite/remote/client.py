@@ -27,6 +27,7 @@ import torch
 
 from ..errors import RemoteError, RemoteTimeoutError
 from ..mediator import _MISSING
+from ..workers import _note
 from . import wire
 from .server import NAMESPACE, default_name, replicas_of, served
 
@@ -278,8 +279,8 @@ def rebuild(error: dict, caller: str = "<module>") -> BaseException:
         if where and where not in message:
             message = f"{message} (remote body, {where})"
         exc = _same_type(error, message)
-    if hasattr(exc, "add_note") and error.get("traceback"):
-        exc.add_note("remote traceback (on the replica):\n" + error["traceback"].rstrip())
+    if error.get("traceback"):  # (3.10, which has no add_note: __notes__ set by hand)
+        _note(exc, "remote traceback (on the replica):\n" + error["traceback"].rstrip())
     frames = error.get("frames")
     if frames:
         exc.__traceback__ = _user_frames(exc, [(f, n, name or caller) for f, n, name in frames])
