@@ -27,7 +27,7 @@ from .capture import (
     write_back,
 )
 from .capture.body import ran as _ran
-from .envoy import _saved_stack, save_in_body
+from .saving import _saved_stack, save_in_body
 from .errors import BodySyntaxError, NoSourceError, ReusedContextError
 from .mediator import wait_for_name
 from .tracebacks import clean, handled_as_is, note_scope_limits

@@ -2,7 +2,7 @@
 
     Envoy       a proxy for one module: .output .input .inputs .next() .skip(), children,
                 indexing, iteration and every other attribute of the module itself
-    save(obj)   keep ``obj`` after the trace (``tensor.save()`` does the same for tensors)
+    save(obj)   keep ``obj`` after the trace (saving.py's, with ``tensor.save()``)
 
 An Envoy holds no state of a trace: reading ``.output`` asks the body's Mediator (found from
 the running greenlet) for the value, which waits until the model produces it.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-import threading
 import weakref
 
 import torch
@@ -28,65 +27,8 @@ from .envoy_containers import Containers
 from .envoy_names import ModuleFirst
 from .errors import InputError, ModulePathError, OutOfOrderError
 from .mediator import INPUT, OUTPUT, current_mediator
+from .saving import save, save_in_body
 from .workers import _getcurrent, user_location
-
-_local = threading.local()
-
-
-def _saved_stack() -> list:
-    stack = getattr(_local, "saved", None)
-    if stack is None:
-        stack = _local.saved = []
-    return stack
-
-
-def save(obj):
-    """Keep ``obj`` after the trace: its name in the body is bound in the caller's scope.
-
-    Example::
-
-        with model.trace(x):
-            shapes = nnsight_lite.save([])
-            shapes.append(model.layer1.output.shape)
-        print(shapes)
-
-    Outside a trace it does nothing and returns ``obj``.
-    """
-    stack = _saved_stack()
-    if stack:
-        stack[-1][id(obj)] = obj
-    return obj
-
-
-def save_in_body(obj):
-    """What ``obj.save()`` means inside a body: the object's own ``save()`` if its class has
-    one, else :func:`save`."""
-    own = getattr(type(obj), "save", None)
-    if own is not None and own is not _tensor_save:
-        return obj.save()
-    stack = getattr(_local, "saved", None)  # (save(obj), in line: a body's every .save())
-    if stack:
-        stack[-1][id(obj)] = obj
-    return obj
-
-
-def _tensor_save(self):
-    """Keep this tensor after the trace (``h = model.layer.output.save()``). Returns ``self``."""
-    return save(self)
-
-
-torch.Tensor.save = _tensor_save
-
-
-def _old_value(self):
-    raise AttributeError(
-        "'Tensor' object has no attribute 'value': in nnsight_lite module values are real "
-        "tensors already, so drop `.value` (nnsight's proxies needed it; these do not)"
-    )
-
-
-if not hasattr(torch.Tensor, "value"):
-    torch.Tensor.value = property(_old_value)
 
 
 class Envoy(ModuleFirst, Containers):
@@ -423,3 +365,6 @@ def _source_of(envoy):
 
 
 _EMPTY_TREE = Tree(torch.nn.Module())
+
+
+__all__ = ["Envoy", "save", "save_in_body"]  # (save: saving.py's, also reached from here)

@@ -136,7 +136,7 @@ def run_batched(model, requests: list, time_limit) -> list:
     """Run ``requests`` (single-input traces) as the invokes of one trace; their replies."""
     from ..capture import Scope
     from ..context import RUNTIME, saved_only
-    from ..envoy import _saved_stack
+    from ..saving import _saved_stack
     from ..mediator import wait_for_name
     from ..tracing import Tracer
 

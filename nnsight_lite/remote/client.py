@@ -226,7 +226,7 @@ def run_remote(ctx, frame, model) -> None:
     if result is not _MISSING:
         ctx._result = result
     from ..capture import write_back
-    from ..envoy import _saved_stack
+    from ..saving import _saved_stack
 
     _mark_leaves(reply["saved"].values(), 3)
     stack = _saved_stack()
