@@ -4,6 +4,8 @@
                            ``t`` / the gradient that flows on from it; outside, a tensor's own
                            ``.grad`` (an activation's raises, saying to use a backward block)
     add_grad_hook          ``t.register_hook(hook)`` without that method's per-call overhead
+    retain_grad            the ``Tensor.retain_grad`` patch: on an invoke's value (its rows of the
+                           batch tensor) it retains those rows of the batch tensor's gradient
 
 The backward block they talk to (``Backward``, found as the running greenlet's ``grads``) and
 the ``Tensor.backward`` patch are backward.py's, which imports this module: importing either
@@ -13,6 +15,7 @@ puts ``read_grad``/``set_grad`` in ``RUNTIME``.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -134,3 +137,40 @@ RUNTIME[SET_GRAD_NAME] = set_grad
 
 def _rows_of(t):
     return getattr(t, "_nnsight_rows", None) if isinstance(t, torch.Tensor) else None
+
+
+_original_retain_grad = torch.Tensor.retain_grad
+
+
+def retain_grad(self) -> None:
+    """``Tensor.retain_grad``; on an invoke's value in a trace of several invokes (its rows of
+    the batch tensor, a slice the forward does not go on from) it retains the rows' gradient
+    of the batch tensor, as ``retain_grad`` on the one invoke's value (the batch tensor itself)
+    does: ``h.grad`` after a plain ``loss.backward()`` is the gradient w.r.t. those rows,
+    where backprop never reaches the slice itself and left it None. As torch does, a second
+    backward adds to it."""
+    rows = _rows_of(self)
+    if rows is None or self.is_leaf or not self.requires_grad:
+        return _original_retain_grad(self)
+    base, start, size = rows
+    ref = weakref.ref(self)
+    seen = False  # (until the first gradient, reading the view's .grad makes torch warn)
+
+    def hook(grad):
+        nonlocal seen
+        view = ref()
+        if view is not None:
+            part = grad[start:start + size]
+            old = view.grad if seen else None
+            view.grad = part.clone() if old is None else old + part
+            seen = True
+        return None
+
+    base.register_hook(hook)
+    return None
+
+
+if not getattr(torch.Tensor.retain_grad, "__nnsight_lite__", False):  # (once: reload)
+    retain_grad.__wrapped__ = _original_retain_grad
+    retain_grad.__nnsight_lite__ = True
+    torch.Tensor.retain_grad = retain_grad

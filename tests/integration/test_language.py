@@ -839,6 +839,41 @@ class TestAgainstTransformers:
                     with loss.backward():
                         g = [hx[1].grad, hx[0].grad, hc[1].grad]
 
+    def test_retain_grad_attribution_over_two_invokes(self, lm, hf, arch):
+        """The retain_grad form of attribution patching: ``h.retain_grad()`` on each invoke's
+        layer output, a plain ``backward()`` of both invokes' logit differences after the trace:
+        each ``h.grad`` equals plain retain_grad on its prompt alone (its .grad was None with
+        two invokes)."""
+        clean, corrupt = PROMPTS[0], PROMPTS[2]
+        with lm.trace() as tracer:
+            with tracer.invoke(clean):
+                hc = layers(lm, arch)[1].output.save()
+                hc.retain_grad()
+                lc = lm.lm_head.output[0, -1].save()
+            with tracer.invoke(corrupt):
+                hx = layers(lm, arch)[1].output.save()
+                hx.retain_grad()
+                lx = lm.lm_head.output[0, -1].save()
+        (lc[3] - lc[4] + lx[3] - lx[4]).backward()
+        lm.zero_grad()
+
+        def plain(prompt):
+            kept = []
+            hook = layers(hf, arch)[1].register_forward_hook(
+                lambda m, a, o: (o.retain_grad(), kept.append(o)) and None)
+            try:
+                out = hf(**lm.tokenizer(prompt, return_tensors="pt")).logits[0, -1]
+            finally:
+                hook.remove()
+            (out[3] - out[4]).backward()
+            hf.zero_grad()
+            return kept[0].grad
+
+        for got, prompt in ((hc.grad, clean), (hx.grad, corrupt)):
+            want = plain(prompt)
+            n = want.shape[1]
+            torch.testing.assert_close(got[:, -n:], want, atol=1e-5, rtol=1e-4)
+
     def test_attention_mask_none_is_no_mask(self, lm, hf):
         """``attention_mask=None`` (HF's default, passed on by code with an optional mask) is
         no mask: with a text prompt it was refused ("the tokenizer makes the mask"), and given

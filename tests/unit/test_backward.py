@@ -524,6 +524,54 @@ class TestInvokeRows:
         torch.testing.assert_close(got, seq[0].weight.grad)
 
 
+    def test_retain_grad_on_an_invokes_value_gives_its_rows(self, seq):
+        """``h.retain_grad()`` on an invoke's value in a trace of several invokes, then a plain
+        ``loss.backward()`` after the trace: ``h.grad`` is that invoke's rows of the batch
+        activation's gradient, as with one invoke (where ``h`` is the batch tensor itself);
+        a second backward adds to it, as torch's retain_grad does. Before, the invoke's value
+        (a slice the forward does not go on from) kept ``.grad`` None. Found by a workflow
+        hunt (attribution over clean and corrupted invokes)."""
+        model = NNsight(seq)
+        x = torch.randn(3, 6)
+        with model.trace() as tracer:
+            with tracer.invoke(x[:1]):
+                a = model[1].output.save()
+                a.retain_grad()
+                out_a = model.output.save()
+            with tracer.invoke(x[1:]):
+                b = model[1].output.save()
+                b.retain_grad()
+                out_b = model.output.save()
+        (out_a.sum() + (out_b ** 2).sum()).backward(retain_graph=True)
+        first_a, first_b = a.grad.clone(), b.grad.clone()
+        (out_a.sum() + (out_b ** 2).sum()).backward()
+        h = seq[1](seq[0](x))
+        h.retain_grad()
+        out = seq[3](seq[2](h))
+        (out[:1].sum() + (out[1:] ** 2).sum()).backward()
+        torch.testing.assert_close(first_a, h.grad[:1])
+        torch.testing.assert_close(first_b, h.grad[1:])
+        torch.testing.assert_close(a.grad, 2 * h.grad[:1])
+        torch.testing.assert_close(b.grad, 2 * h.grad[1:])
+        with model.trace(x[:1]):  # one invoke: the batch tensor itself, torch's own retain_grad
+            one = model[1].output.save()
+            one.retain_grad()
+            out_one = model.output.save()
+        out_one.sum().backward()
+        torch.testing.assert_close(one.grad, h.grad[:1])
+
+    def test_retain_grad_keeps_torchs_errors(self, seq):
+        """Where torch refuses (a value computed without gradients) the message is torch's."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with pytest.raises(RuntimeError, match="retain_grad"):
+            with torch.no_grad(), model.trace() as tracer:
+                with tracer.invoke(x[:1]):
+                    model[1].output.retain_grad()
+                with tracer.invoke(x[1:]):
+                    pass
+
+
 class TestSeveralBackwards:
     def test_retain_graph_then_second_block(self, seq):
         x = torch.randn(2, 6)
