@@ -28,6 +28,7 @@ import weakref
 import torch
 
 from .capture.parsing import parse
+from .capture.weak import keep_weakly
 from .calls import traced_slot
 from .errors import SourceUnavailableError
 from .opnames import numbered_like_08
@@ -201,22 +202,8 @@ def _callee(node) -> str:
 _cache: "dict[int, tuple]" = {}
 
 
-def _forget(ref: weakref.ref, _cache=_cache) -> None:
-    """Drop the entry of a code object that is gone (a weak reference's callback)."""
-    key = ref.key
-    entry = _cache.get(key)
-    if entry is not None and entry[0] is ref:
-        del _cache[key]
-
-
-class _CodeRef(weakref.ref):
-    __slots__ = ("key",)
-
-
 def _remember(code: types.CodeType, comp, weak: bool = False) -> None:
-    ref = _CodeRef(code, _forget)
-    ref.key = id(code)
-    _cache[ref.key] = (ref, weakref.ref(comp) if weak else comp)
+    keep_weakly(_cache, id(code), code, weakref.ref(comp) if weak else comp)
 
 
 def _cached(code: types.CodeType) -> "Compiled | None":

@@ -12,7 +12,8 @@ a plain call pays about a microsecond.
 from __future__ import annotations
 
 import dis
-import weakref
+
+from .capture.weak import keep_weakly
 
 _CALLS = frozenset({"CALL", "CALL_KW", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW",
                     "CALL_FUNCTION_EX", "PRECALL"})
@@ -20,17 +21,6 @@ _WITH = frozenset({"BEFORE_WITH", "SETUP_WITH"})
 #: id(code) -> (weak reference to that code, its offsets): the code is held weakly, as plain
 #: backward keeps nothing of its caller (a step function a notebook defines again goes)
 _with_calls: dict = {}
-
-
-class _CodeRef(weakref.ref):
-    __slots__ = ("key",)
-
-
-def _forget(ref: _CodeRef, _with_calls=_with_calls) -> None:
-    """Drop the entry of a code object that is gone (a weak reference's callback)."""
-    entry = _with_calls.get(ref.key)
-    if entry is not None and entry[0] is ref:
-        del _with_calls[ref.key]
 
 
 def _with_call_offsets(code) -> frozenset:
@@ -57,7 +47,5 @@ def _called_as_context(frame) -> bool:
     if len(_with_calls) > 4096:
         _with_calls.clear()
     offsets = _with_call_offsets(code)
-    ref = _CodeRef(code, _forget)
-    ref.key = id(code)
-    _with_calls[ref.key] = (ref, offsets)
+    keep_weakly(_with_calls, id(code), code, offsets)
     return frame.f_lasti in offsets

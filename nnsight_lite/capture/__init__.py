@@ -9,6 +9,7 @@ One job per module:
     body.py     ``find_body(frame)``: the compiled body of a call site (cached); ``names_read``
     skip.py     skipping the body's inline execution (line tracer, or a flag in compiled bodies)
     scope.py    ``Scope``, the namespace a body runs in, and ``write_back`` into the caller
+    weak.py     ``keep_weakly``: cache entries keyed by a code object's identity, held weakly
 
 The names below are what the rest of the package uses.
 """

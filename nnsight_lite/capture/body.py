@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import weakref
 from collections import OrderedDict
 from types import CodeType, FrameType
 
@@ -16,6 +15,7 @@ from ..errors import BodySyntaxError
 from .rewrite import INLINE_NAME, assigned_names, body_syntax_error, rewrite_body, scope_names
 from .skip import Skipper, skip_line
 from .source import find_with, remember_source
+from .weak import keep_weakly
 
 _CACHE_SIZE = 1024
 
@@ -54,17 +54,6 @@ class Body:
 _bodies: OrderedDict = OrderedDict()
 
 
-class _CodeRef(weakref.ref):
-    __slots__ = ("key",)
-
-
-def _forget(ref: _CodeRef, _bodies=_bodies) -> None:
-    """Drop the entry of a code object that is gone (a weak reference's callback)."""
-    entry = _bodies.get(ref.key)
-    if entry is not None and entry[0] is ref:
-        del _bodies[ref.key]
-
-
 def find_body(frame: FrameType, what: str = "trace") -> Body:
     """Return the compiled body of the ``with`` statement ``frame`` is executing now.
 
@@ -77,9 +66,7 @@ def find_body(frame: FrameType, what: str = "trace") -> Body:
     if hit is not None and hit[0]() is code:
         return hit[1]
     body = _compile_body(frame, what)
-    ref = _CodeRef(code, _forget)
-    ref.key = key
-    _bodies[key] = (ref, body)
+    keep_weakly(_bodies, key, code, body)
     if len(_bodies) > _CACHE_SIZE:
         _bodies.popitem(last=False)
     return body

@@ -35,7 +35,6 @@ import linecache
 import os
 import sys
 import warnings
-import weakref
 from collections import OrderedDict
 from types import CodeType, FrameType
 
@@ -43,6 +42,7 @@ from ..errors import NoSourceError, SourceUnavailableError, WithBlockNotFoundErr
 from .parsing import parse
 from .proof import code_signature, compiled_variants
 from .reloaded import reloaded_defs
+from .weak import keep_weakly
 
 #: the future-feature bits of ``co_flags``, which compile() takes as flags
 _FUTURE_FLAGS = 0
@@ -125,25 +125,12 @@ def _entered_by_with(frame: FrameType) -> bool:
 _body_sources: "dict[int, tuple]" = {}
 
 
-class _CodeRef(weakref.ref):
-    __slots__ = ("key",)
-
-
-def _forget(ref: _CodeRef, _body_sources=_body_sources) -> None:
-    """Drop the entry of a code object that is gone (a weak reference's callback)."""
-    entry = _body_sources.get(ref.key)
-    if entry is not None and entry[0] is ref:
-        del _body_sources[ref.key]
-
-
 def remember_source(code: CodeType, lines: list) -> None:
     """Record that ``code`` (a compiled body) and the code objects in it come from ``lines``."""
     stack = [code]
     while stack:
         c = stack.pop()
-        ref = _CodeRef(c, _forget)
-        ref.key = id(c)
-        _body_sources[ref.key] = (ref, lines)
+        keep_weakly(_body_sources, id(c), c, lines)
         stack.extend(k for k in c.co_consts if isinstance(k, CodeType))
 
 
