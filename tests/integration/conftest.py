@@ -56,15 +56,20 @@ def model_dirs(tmp_path_factory):
         tok = make_tokenizer()
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(_config(arch, len(tok)))
-        # Larger weights than the init's make the tiny models' predictions less uniform.
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() == 2:
-                    p.normal_(0, 0.3)
-        model.save_pretrained(d)
-        tok.save_pretrained(d)
+        save_tiny(model, tok, d)
         dirs[arch] = d
     return dirs
+
+
+def save_tiny(model, tok, d) -> None:
+    """Save a tiny model made from a config, and its tokenizer, in ``d``: its matrices drawn
+    larger than the init's first, which makes the tiny models' predictions less uniform."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
 
 
 @pytest.fixture(params=["gpt2", "llama"])

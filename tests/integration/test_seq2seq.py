@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from tests.integration.conftest import make_tokenizer
+from tests.integration.conftest import make_tokenizer, save_tiny
 
 from nnsight_lite import LanguageModel
 
@@ -28,12 +28,7 @@ def bart_dir(tmp_path_factory):
         eos_token_id=1, decoder_start_token_id=1)
     torch.manual_seed(0)
     model = transformers.AutoModelForSeq2SeqLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
+    save_tiny(model, tok, d)
     return d
 
 
