@@ -34,6 +34,12 @@ def _near(name: str, names) -> str:
     return f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
 
 
+def _held(ops: dict, name: str) -> "OpEnvoy | None":
+    """The OpEnvoy a view's table (``name`` -> weak reference) still holds for ``name``."""
+    ref = ops.get(name)
+    return ref() if ref is not None else None
+
+
 class Source:
     """The operations of a module's forward (``envoy.source``), addressable by name.
 
@@ -104,31 +110,25 @@ class Source:
         ops = self.__dict__.get("_ops")
         if ops is None or name.startswith("__"):
             raise AttributeError(name)
-        ref = ops.get(name)
-        if ref is not None:
-            hit = ref()
-            if hit is not None:
-                return hit
+        hit = _held(ops, name)
+        if hit is not None:
+            return hit
         running = self.__dict__.get("_running")
-        if running is not None and name in running:
-            env = OpEnvoy(self, name)
-            ops[name] = weakref.ref(env)
-            return env
-        comp = self._compiled()
-        names = comp.index
-        if name not in names:
-            name = comp.resolve(name)
-            ref = ops.get(name)
-            hit = ref() if ref is not None else None
-            if hit is not None:
-                return hit
-        if name not in names:
-            raise ModulePathError(
-                f"{self._path} has no operation {name!r} (at {user_location()})."
-                f"{comp.unknown(name)}{_near(name, names)} "
-                f"print({self._path}) lists the operations of "
-                f"{type(self._module).__name__}.forward by name."
-            )
+        if running is None or name not in running:  # (not an op of the forward running now)
+            comp = self._compiled()
+            names = comp.index
+            if name not in names:
+                name = comp.resolve(name)
+                hit = _held(ops, name)
+                if hit is not None:
+                    return hit
+            if name not in names:
+                raise ModulePathError(
+                    f"{self._path} has no operation {name!r} (at {user_location()})."
+                    f"{comp.unknown(name)}{_near(name, names)} "
+                    f"print({self._path}) lists the operations of "
+                    f"{type(self._module).__name__}.forward by name."
+                )
         env = OpEnvoy(self, name)
         ops[name] = weakref.ref(env)
         return env
@@ -313,8 +313,8 @@ def source_of(envoy) -> Source:
     """``envoy.source``: one view per Envoy while it is held; inside a body it instruments the
     module's forward for the running trace, so its operations are counted from the start.
 
-    The Envoy keeps its view (the names its operations were asked for by, what they resolved
-    to), and the view holds the Envoy weakly: a strong reference back would be a cycle that
+    The Envoy keeps its view (its table of operations, and the names of the operations of the
+    forward running in the trace), and the view holds the Envoy weakly: a strong reference back would be a cycle that
     kept the module (and its weights) alive after the model was dropped, until the garbage
     collector ran."""
     src = envoy.__dict__.get("_source_view")  # (LanguageModel's "_source" is its load path)
