@@ -39,10 +39,19 @@ def record(model: torch.nn.Module, names, *args, edits=None, **kwargs):
     return seen, out
 
 
+def settle(passes: int = 10) -> None:
+    """Collect until a pass frees nothing: objects that a finalizer or weakref callback run by
+    one pass lets go of (dynamo's compile state after ``torch._dynamo.reset()``) are only
+    garbage for the next pass, and would otherwise count against whatever runs after it."""
+    for _ in range(passes):
+        if not gc.collect():
+            return
+
+
 def cycles_left_by(fn) -> list:
     """Run ``fn`` with the garbage collector off; return the objects it left in reference
     cycles (what only the collector would free), by type name."""
-    gc.collect()
+    settle()
     gc.disable()
     try:
         fn()
