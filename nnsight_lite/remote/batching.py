@@ -23,7 +23,8 @@ import torch
 from ..capture.parsing import parse
 from ..errors import RemoteError, ResultTooLargeError
 from . import wire
-from .execute import USER_ERRORS, Deadline, compile_body, compiled, describe, execute
+from .execute import (USER_ERRORS, Deadline, compile_body, compiled, describe, execute,
+                      kept_warnings, warning_records)
 from .hook import serving
 
 def _policy(option, model):
@@ -142,8 +143,10 @@ def run_batched(model, requests: list, time_limit) -> list:
 
     ends = [{} for _ in requests]
     invokes = []
+    names = []  # each request's synthetic filename
     for request, end in zip(requests, ends):
         _, synthetic = compiled(request["source"], request["filename"])
+        names.append(synthetic)
         tail = parse(f"{_COLLECT}(locals())").body
         code = compile_body(request["source"], synthetic, request["lineno"], tail)
         args, kwargs = request["inputs"]
@@ -156,14 +159,16 @@ def run_batched(model, requests: list, time_limit) -> list:
     saved: dict = {}
     stack = _saved_stack()
     stack.append(saved)
-    try:
-        with serving(), Deadline(time_limit):  # (the Deadline innermost: see execute.execute)
+    caught: list = []
+    try:  # (the Deadline innermost: see execute.execute)
+        with serving(), kept_warnings(caught), Deadline(time_limit):
             tracer._run(Scope({}, glb, RUNTIME, wait_for_name))
     finally:
         stack.pop()
     return [{"saved": saved_only(end.items(), saved),  # (the collector is never saved)
-             "stdout": "", "error": None, "batch": len(requests)}
-            for end in ends]
+             "stdout": "", "error": None, "batch": len(requests),
+             "warnings": warning_records(caught, name, request["filename"], i)}
+            for i, (end, name, request) in enumerate(zip(ends, names, requests))]
 
 
 def handle_group(model, payloads: list, options: dict) -> list:

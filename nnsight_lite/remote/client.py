@@ -215,6 +215,8 @@ def run_remote(ctx, frame, model) -> None:
         sys.stdout.write(reply["stdout"])
     if reply.get("stderr"):
         sys.stderr.write(reply["stderr"])
+    if reply.get("warnings"):
+        warn_again(reply["warnings"], frame, block.filename)
     if reply.get("error") is not None:
         error = rebuild(reply["error"], frame.f_code.co_name)
         context = error.__context__
@@ -350,3 +352,33 @@ def _same_type(error: dict, message: str) -> BaseException:
     if isinstance(base, type) and issubclass(base, Exception):
         return base(message)
     return RemoteError(f"{error['module']}.{error['qualname']}: {message}")
+
+
+def warn_again(records: list, frame, filename: str) -> None:
+    """Issue here the warnings a remote block raised (execute.kept_warnings), under this
+    process's filters, as if raised where they were: the body's at the user's line, in the
+    with-statement's module. A category this side cannot import arrives as a UserWarning that
+    names it."""
+    import importlib
+    import warnings
+
+    for module, qualname, message, where, line in records:
+        category = None
+        try:
+            category = importlib.import_module(module)
+            for part in qualname.split("."):
+                category = getattr(category, part)
+        except Exception:  # noqa: BLE001 - a class the client does not have
+            category = None
+        if not (isinstance(category, type) and issubclass(category, Warning)):
+            category, message = UserWarning, f"{module}.{qualname}: {message}"
+        if where == filename:
+            globs = frame.f_globals
+        else:
+            globs = next((vars(m) for m in list(sys.modules.values())
+                          if getattr(m, "__file__", None) == where), None)
+        warnings.warn_explicit(
+            message, category, where, line,
+            module=globs.get("__name__") if globs is not None else None,
+            registry=globs.setdefault("__warningregistry__", {}) if globs is not None else None)
+

@@ -26,6 +26,7 @@ import io
 import linecache
 import threading
 import traceback
+import warnings
 from collections import OrderedDict
 
 from ..capture.body import forget_namespace
@@ -45,6 +46,7 @@ _FRAMES_MAX = 64  # user frames an error's reply carries (the innermost; a deep 
 # and every later one waited for ever)
 USER_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
 _CHAIN_MAX = 4  # exceptions an error's reply carries from its chain (raise ... from ...)
+_WARNINGS_MAX = 100  # distinct warnings a reply carries
 
 
 def compiled(source: str, filename: str):
@@ -85,6 +87,7 @@ def execute(request: dict, values: dict, *, time_limit: float | None = None, pol
     source, filename = request["source"], request["filename"]
     out, err = io.StringIO(), io.StringIO()
     reply = {"saved": {}, "result": _MISSING, "stdout": "", "stderr": "", "error": None}
+    caught: list = []
     synthetic = filename
     scope = None
     try:
@@ -98,7 +101,7 @@ def execute(request: dict, values: dict, *, time_limit: float | None = None, pol
         # manager's __exit__, which would then not restore what it changed: sys.stderr left
         # redirected to this request's buffer on the replica)
         with serving(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-                Deadline(time_limit):
+                kept_warnings(caught), Deadline(time_limit):
             exec(code, scope)
         reply["saved"], reply["result"] = _collect(scope, before)
     except _Stopped as exc:
@@ -114,9 +117,45 @@ def execute(request: dict, values: dict, *, time_limit: float | None = None, pol
         if scope is not None:  # (its blocks: a later request's dict may get its id)
             forget_namespace(scope)
     reply["stdout"], reply["stderr"] = out.getvalue(), err.getvalue()
+    reply["warnings"] = warning_records(caught, synthetic, filename)
     if reply["result"] is _MISSING:  # (a sentinel: pickled, it would arrive as another object)
         del reply["result"]
     return reply
+
+
+@contextlib.contextmanager
+def kept_warnings(into: list):
+    """Record in ``into`` the warnings issued while the block runs, each as ``(invoke,
+    category, message, filename, line)``: every one (the client's filters decide what shows;
+    see ``warning_records`` and client.warn_again); ``invoke`` is the number of the invoke
+    whose body issued it (None: the model's code, outside any body)."""
+    from greenlet import getcurrent
+
+    def keep(message, category, filename, lineno, file=None, line=None):
+        body = getattr(getcurrent(), "mediator", None)
+        invoke = None if body is None else body.index - len(body.interleaver.edits)
+        into.append((invoke, category, str(message), filename, lineno))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = keep  # (put back as it was by catch_warnings)
+        yield
+
+
+def warning_records(caught: list, synthetic: str, filename: str, invoke=None) -> list:
+    """``caught`` (kept_warnings) as a reply carries them: ``(category's module, its qualname,
+    message, filename, line)``, the body's under the user's filename; with ``invoke``, only
+    that invoke's and the model's own (a request run as one invoke of a shared forward);
+    repeats of one warning at one place once, at most ``_WARNINGS_MAX``."""
+    records: dict = {}
+    for owner, cat, message, where, line in caught:
+        if invoke is not None and owner is not None and owner != invoke:
+            continue
+        where = filename if where == synthetic else where
+        records.setdefault((cat.__module__, cat.__qualname__, message, where, line))
+        if len(records) == _WARNINGS_MAX:
+            break
+    return list(records)
 
 
 def _collect(scope: dict, before: dict):

@@ -81,6 +81,32 @@ def test_two_clients_share_one_forward(batching, mlp_model):
     assert torch.allclose(h_b, ref_b) and h_b.shape == (3, 16)
 
 
+def test_each_client_gets_its_own_warnings(batching, mlp_model):
+    """Warnings raised by two clients' bodies run in one batched forward come back to the
+    client whose body raised them, each once, at its own line."""
+    import warnings
+
+    model = mlp_model
+    a, b = torch.randn(2, 8), torch.randn(3, 8)
+
+    def client(x, tag):
+        def run():
+            backend = remote.Backend("mlp-batch")
+            with model.trace(x, backend=backend):
+                warnings.warn(f"{tag}: {model[0].output.shape[0]} rows")
+            return backend.last_batch
+        return run
+
+    client(a, "a")(), client(b, "b")()  # (warm: see test_two_clients_share_one_forward)
+    with warnings.catch_warnings(record=True) as caught:  # (both threads' warnings, here)
+        warnings.simplefilter("always")
+        results = _together(client(a, "a"), client(b, "b"))
+    assert results == [2, 2]
+    line = client.__code__.co_firstlineno + 4  # the warnings.warn line
+    got = sorted((str(w.message), w.filename, w.lineno) for w in caught)
+    assert got == [("a: 2 rows", __file__, line), ("b: 3 rows", __file__, line)]
+
+
 def test_one_failing_request_fails_alone(batching, mlp_model):
     """In a group where one request raises, that request gets its own error (its traceback
     ending at its line); the other still gets its correct result."""

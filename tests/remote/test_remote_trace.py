@@ -214,18 +214,57 @@ class TestErrorsAndOutput:
             print("rows:", model[0].output.shape[0])
         assert "rows: 3" in capsys.readouterr().out
 
-    def test_stderr_and_warnings_reach_client(self, backend, mlp_model, capsys):
-        """What a remote body writes to stderr (a print to sys.stderr, warnings.warn) shows on
-        the client's stderr, as it does when the body runs locally."""
+    def test_stderr_reaches_client(self, backend, mlp_model, capsys):
+        """What a remote body writes to stderr shows on the client's stderr, as it does when
+        the body runs locally."""
         import sys
-        import warnings
 
         model = mlp_model
         with model.trace(_x(), remote=True):
             print("rows on stderr:", model[0].output.shape[0], file=sys.stderr)
-            warnings.warn(f"odd width {model[0].output.shape[1]}")
-        err = capsys.readouterr().err
-        assert "rows on stderr: 3" in err and "odd width 16" in err
+        assert "rows on stderr: 3" in capsys.readouterr().err
+
+    def test_warnings_are_warnings_on_the_client(self, backend, mlp_model):
+        """A remote body's ``warnings.warn`` is issued on the client as the warning the same
+        body issues locally: its category, message, file and line (so the client's filters,
+        ``pytest.warns`` and ``catch_warnings`` see it); a warning repeated in a loop once, as
+        Python's default filter shows it locally."""
+        import warnings
+
+        model = mlp_model
+
+        def run(**kw):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("default")
+                with model.trace(_x(), **kw):
+                    for _ in range(3):
+                        warnings.warn(f"odd width {model[0].output.shape[1]}", FutureWarning)
+                    torch.nn.functional.softmax(model[1].output)  # (torch warns: no dim)
+            return [(w.category, str(w.message), w.filename, w.lineno) for w in caught]
+
+        local = run()
+        assert local[0] == (FutureWarning, "odd width 16", __file__, local[0][3])
+        assert len(local) == 2 and "softmax" in str(local[1][1])
+        assert run(remote=True) == local
+
+    def test_client_filters_decide(self, backend, mlp_model):
+        """The client's filters apply to a remote body's warnings: ignored ones do not show,
+        and 'error' raises the warning at the with-statement."""
+        import warnings
+
+        model = mlp_model
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("always", UserWarning)
+            with model.trace(_x(), remote=True):
+                warnings.warn("old", DeprecationWarning)
+                warnings.warn("new")
+        assert [(w.category, str(w.message)) for w in caught] == [(UserWarning, "new")]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(UserWarning, match="^new$"):
+                with model.trace(_x(), remote=True):
+                    warnings.warn("new")
 
     def test_unknown_model_lists_served(self, served, mlp_model):
         """A model name that is not served gives a RemoteError listing what is."""

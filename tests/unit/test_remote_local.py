@@ -485,3 +485,33 @@ def test_an_exception_with_its_own_init_arrives_as_its_type(seq):
     assert remote.args == local.args == ("got 2, want 3",)
     assert (remote.got, remote.want) == (local.got, local.want) == (2, 3)
     assert _user_frames(remote) == _user_frames(local)
+
+
+def test_warnings_of_a_local_remote_trace_are_the_local_ones(seq):
+    """A `remote="local"` body's warnings (its own and torch's) are issued as the same body
+    issues them run locally: category, message, file, line, once per place under the default
+    filter; a category the client cannot import arrives as a UserWarning naming it."""
+    import warnings
+
+    model = NNsight(seq)
+    x = torch.randn(3, 6)
+
+    class Odd(UserWarning):  # (defined here: the shipped body gets it by value)
+        pass
+
+    def run(**kw):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            with model.trace(x, **kw):
+                for _ in range(2):
+                    warnings.warn(f"rows {model[1].output.shape[0]}", Odd)
+                torch.nn.functional.softmax(model[2].output)  # (torch warns: no dim given)
+        return [(w.category, str(w.message), w.filename, w.lineno) for w in caught]
+
+    local = run()
+    assert [c for c, *_ in local] == [Odd, UserWarning] and local[0][1:3] == ("rows 3", __file__)
+    remote = run(remote="local")
+    assert remote[1:] == local[1:]
+    # (Odd is local to this test: no module attribute names it, as for a class of the
+    # replica's that the client does not have)
+    assert remote[0] == (UserWarning, f"{__name__}.{Odd.__qualname__}: rows 3", *local[0][2:])
