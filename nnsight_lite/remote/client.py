@@ -362,6 +362,7 @@ def warn_again(records: list, frame, filename: str) -> None:
     import importlib
     import warnings
 
+    files = None  # a module's file -> its globals, made at the first library warning
     for module, qualname, message, where, line in records:
         category = None
         try:
@@ -374,9 +375,12 @@ def warn_again(records: list, frame, filename: str) -> None:
             category, message = UserWarning, f"{module}.{qualname}: {message}"
         if where == filename:
             globs = frame.f_globals
-        else:
-            globs = next((vars(m) for m in list(sys.modules.values())
-                          if getattr(m, "__file__", None) == where), None)
+        else:  # (a library's file: its module, as a warning raised there would name)
+            if files is None:
+                files = {m.__file__: m.__dict__ for m in list(sys.modules.values())
+                         if isinstance(getattr(m, "__file__", None), str)
+                         and isinstance(getattr(m, "__dict__", None), dict)}
+            globs = files.get(where)
         warnings.warn_explicit(
             message, category, where, line,
             module=globs.get("__name__") if globs is not None else None,

@@ -515,3 +515,37 @@ def test_warnings_of_a_local_remote_trace_are_the_local_ones(seq):
     # (Odd is local to this test: no module attribute names it, as for a class of the
     # replica's that the client does not have)
     assert remote[0] == (UserWarning, f"{__name__}.{Odd.__qualname__}: rows 3", *local[0][2:])
+
+
+def test_a_library_warning_of_a_local_remote_trace_is_filtered_by_its_module(
+        seq, tmp_path, monkeypatch):
+    """A warning raised in another module's code (at its own line, stacklevel 1) is issued on
+    the client from that module's file and under its name, so a filter on the module applies
+    as it does locally."""
+    import importlib
+    import sys
+    import warnings
+
+    (tmp_path / "noisy_lib.py").write_text(
+        "import warnings\n\ndef noisy(n):\n    warnings.warn(f'noisy {n}')\n    return n\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    noisy_lib = importlib.import_module("noisy_lib")
+    model = NNsight(seq)
+    x = torch.randn(3, 6)
+
+    def run(ignore, **kw):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if ignore:
+                warnings.filterwarnings("ignore", module="noisy_lib")
+            with model.trace(x, **kw):
+                noisy_lib.noisy(model[1].output.shape[0])
+        return [(w.category, str(w.message), w.filename, w.lineno) for w in caught]
+
+    try:
+        local = run(False)
+        assert local == [(UserWarning, "noisy 3", noisy_lib.__file__, 4)]
+        assert run(False, remote="local") == local
+        assert run(True) == run(True, remote="local") == []
+    finally:
+        sys.modules.pop("noisy_lib", None)
