@@ -5,6 +5,7 @@
                    (``TransformersModel``: nnsight 0.8's name for it)
     Envoy          the module proxy inside bodies: .output .input .inputs .next() .skip()
     save(obj)      keep a non-tensor object after the trace (tensors have ``.save()``)
+    register(mod)  send a module of yours by value to remote replicas (remote/__init__.py)
     apply, CONFIG  older nnsight names (a plain call; settings such as ``CONFIG.APP.DEBUG``)
     errors         the exception types (all derive from NNsightError)
 
@@ -50,6 +51,7 @@ from .errors import (
 from .language import Generator, LanguageModel
 from .model import NNsight
 from .modeling.transformers import TransformersModel
+from .remote import register
 from .tracing import Invoker, Tracer
 
 __version__ = "0.1.0"
@@ -63,6 +65,7 @@ __all__ = [
     "Tracer",
     "Invoker",
     "save",
+    "register",
     "apply",
     "CONFIG",
     "NNsightDeprecationWarning",

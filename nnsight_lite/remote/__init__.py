@@ -4,6 +4,7 @@
     stop(name)            end them; served() lists what is served
     connect(address)      join a cluster; ``remote=True`` then runs traces there (client.py)
     Backend(name)         a served model to run on: ``model.trace(x, backend=Backend("gpt2"))``
+    register(module)      send a module of yours by value, for replicas that cannot import it
 
 Example::
 
@@ -32,6 +33,23 @@ _LAZY = {
 }
 
 
+def register(module) -> None:
+    """Send ``module``'s functions and classes with the requests that use them, by value, so
+    replicas that cannot import it (a module of yours, not installed on the cluster) rebuild
+    them (nnsight's ``nnsight.register``). ``module``: the module or its name. The module a
+    with-statement is written in is sent so already."""
+    import importlib
+
+    try:
+        import cloudpickle
+    except ImportError:
+        raise ImportError("nnsight_lite.register needs cloudpickle: install the remote extra "
+                          "(pip install 'nnsight_lite[remote]')") from None
+    if isinstance(module, str):
+        module = importlib.import_module(module)
+    cloudpickle.register_pickle_by_value(module)
+
+
 def __getattr__(name):  # ray is imported only when a remote feature is used
     module = _LAZY.get(name)
     if module is None:
@@ -41,4 +59,4 @@ def __getattr__(name):  # ray is imported only when a remote feature is used
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
-__all__ = sorted(_LAZY)
+__all__ = sorted([*_LAZY, "register"])

@@ -59,7 +59,9 @@ def handle(model, payload: bytes, options: dict) -> bytes:
         err = _other_model(model, exc.loaded, options) or exc
     except Exception as exc:  # noqa: BLE001 - a value the server cannot rebuild
         err = RemoteError(f"the server could not unpickle the request's values: {exc!r} (a "
-                          "value from a module the server cannot import? install it there)")
+                          "value from a module the server cannot import? install it there, or "
+                          "call nnsight_lite.register(module) before the trace to send its "
+                          "code with the request)")
     if err is not None:
         return wire.dumps({"error": describe(err, "", ""), "stdout": "", "saved": {}}, model)
     reply = execute(request, request["values"],

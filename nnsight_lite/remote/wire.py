@@ -187,11 +187,12 @@ def dumps(obj, root, by_value=None) -> bytes:
         return buf.getvalue()
     with _BY_VALUE:  # cloudpickle's by-value registry is process-wide: one client at a time
         registered = False
-        try:
-            cloudpickle.register_pickle_by_value(by_value)
-            registered = True
-        except ValueError:  # already registered by the user, or not importable by name
-            pass
+        if by_value.__name__ not in cloudpickle.list_registry_pickle_by_value():
+            try:  # (registered by the user, nnsight_lite.register: left so)
+                cloudpickle.register_pickle_by_value(by_value)
+                registered = True
+            except ValueError:  # not importable by name
+                pass
         try:
             _Pickler(buf, root).dump(obj)
         finally:

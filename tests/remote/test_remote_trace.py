@@ -266,6 +266,38 @@ class TestErrorsAndOutput:
                 with model.trace(_x(), remote=True):
                     warnings.warn("new")
 
+    def test_a_module_of_yours_is_sent_by_value_once_registered(self, backend, mlp_model,
+                                                                 tmp_path, monkeypatch):
+        """A function from a module of the user's that the replicas cannot import fails the
+        request with an error naming nnsight_lite.register; registered (nnsight's
+        ``nnsight.register``), the module goes by value and the trace equals the local one."""
+        import importlib
+        import sys
+
+        import cloudpickle
+
+        (tmp_path / "my_helpers_s22.py").write_text("def double(t):\n    return t * 2\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        mine = importlib.import_module("my_helpers_s22")
+        double, model, x = mine.double, mlp_model, _x()
+        try:
+            with pytest.raises(RemoteError, match=r"nnsight_lite\.register\(module\)"):
+                with model.trace(x, remote=True):
+                    h = double(model[0].output).save()
+            nnsight_lite.register("my_helpers_s22")
+            nnsight_lite.register(sys.modules[__name__])  # (the with-statement's own module,
+            with model.trace(x, remote=True):  # which a trace sends by value and lets go of)
+                h = double(model[0].output).save()
+            assert {"my_helpers_s22", __name__} <= cloudpickle.list_registry_pickle_by_value()
+            with model.trace(x):
+                want = (model[0].output * 2).save()
+            assert torch.equal(h, want)
+        finally:
+            for name in ("my_helpers_s22", __name__):
+                if name in cloudpickle.list_registry_pickle_by_value():
+                    cloudpickle.unregister_pickle_by_value(sys.modules[name])
+            sys.modules.pop("my_helpers_s22", None)
+
     def test_unknown_model_lists_served(self, served, mlp_model):
         """A model name that is not served gives a RemoteError listing what is."""
         from nnsight_lite import remote
