@@ -97,7 +97,9 @@ def test_each_client_gets_its_own_warnings(batching, mlp_model):
             return backend.last_batch
         return run
 
-    client(a, "a")(), client(b, "b")()  # (warm: see test_two_clients_share_one_forward)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        client(a, "a")(), client(b, "b")()  # (warm: see test_two_clients_share_one_forward)
     with warnings.catch_warnings(record=True) as caught:  # (both threads' warnings, here)
         warnings.simplefilter("always")
         results = _together(client(a, "a"), client(b, "b"))
