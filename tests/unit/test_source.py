@@ -18,8 +18,10 @@ from nnsight_lite.errors import (
     MissedModuleError,
     ModulePathError,
     OutOfOrderError,
+    OutsideTraceError,
     SourceUnavailableError,
 )
+from tests.strategies import leftovers
 
 
 def scaled_scores(q, k, scale):
@@ -729,6 +731,30 @@ class TestReuse:
         finally:
             gc.enable()
         torch.testing.assert_close(r, torch.relu(net.blk.lin(x)))
+
+
+    def test_an_operation_of_a_dropped_model_used_in_another_models_trace(self, x):
+        """An OpEnvoy kept after its model's wrapper was dropped (the module lives on in the
+        op's view) and read in a trace of another model: OutsideTraceError naming the op and
+        saying to take .source from the model being traced; the trace leaves no wrapper and
+        the other model traces on as plain torch computes it."""
+        torch.manual_seed(0)
+        old_net, net = Block(), Block()
+        model = NNsight(old_net)
+        op = model.source.torch_relu_0
+        module = weakref.ref(old_net)
+        del model
+        assert module() is not None and op._parent._envoy is None  # (the view holds it)
+        other = NNsight(net)
+        with pytest.raises(OutsideTraceError, match=r"torch_relu_0 belongs to a model that is "
+                                                    r"gone.*take \.source from the model being "
+                                                    r"traced"):
+            with other.trace(x):
+                op.output.save()
+        assert leftovers(net) == leftovers(old_net) == []
+        with other.trace(x):
+            out = other.output.save()
+        torch.testing.assert_close(out, net(x))
 
 
 class TestAccelerateHooks:
