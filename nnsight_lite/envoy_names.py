@@ -56,7 +56,10 @@ class ModuleFirst:
 
     def _alone(self):
         """This module wrapped on its own (made once, kept here): what ``trace``, ``scan``,
-        ``session``, ``edit`` and ``clear_edits`` of an Envoy below the model's run."""
+        ``session``, ``edit`` and ``clear_edits`` of an Envoy below the model's run. A model
+        still on the meta device (a ``LanguageModel`` not yet used) loads its weights first, as
+        its own trace would: this module runs (or keeps its edits) on the loaded tree."""
+        self._load_first()
         d = self.__dict__
         alone = d.get("_wrapped_alone")
         if alone is None or alone._module is not d["_module"]:

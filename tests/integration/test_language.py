@@ -111,6 +111,36 @@ class TestLoading:
         torch.testing.assert_close(logits, plain)
         assert h.shape == (1, 2, 32)
 
+    def test_a_module_traced_on_its_own_loads_the_weights_first(self, model_dirs, hf, arch):
+        """``with model.<block>.mlp.trace(h):`` (and ``scan``, and an ``edit`` of it recorded
+        while the model is still on meta) on a model never traced: the weights load first, so
+        it runs the real MLP (it ran the meta placeholder, and failed on the input's device)."""
+        torch.manual_seed(0)
+        h = torch.randn(1, 3, 32)
+        plain_mlp = layers(hf, arch)[1].mlp
+        with torch.no_grad():
+            plain = plain_mlp(h)
+        lm = quiet(LanguageModel, model_dirs[arch])
+        mlp = layers(lm, arch)[1].mlp
+        with mlp.trace(h):
+            out = mlp.output.save()
+        assert lm.dispatched
+        torch.testing.assert_close(out, plain)
+
+        lm = quiet(LanguageModel, model_dirs[arch])
+        mlp = layers(lm, arch)[1].mlp
+        with mlp.scan(h):
+            shape = nnsight_lite.save(tuple(mlp.output.shape))
+        assert shape == tuple(plain.shape)
+
+        lm = quiet(LanguageModel, model_dirs[arch])
+        mlp = layers(lm, arch)[1].mlp
+        with mlp.edit(inplace=True):
+            mlp.output[:] *= 2
+        with mlp.trace(h):
+            doubled = mlp.output.save()
+        torch.testing.assert_close(doubled, 2 * plain)
+
     def test_edit_on_meta_loads_nothing_and_then_shares_one_set_of_weights(self, model_dirs, hf,
                                                                             arch):
         """``model.edit()`` on a model still on meta loads nothing; the first local trace of
