@@ -6,7 +6,8 @@
     Envoy          the module proxy inside bodies: .output .input .inputs .next() .skip()
     save(obj)      keep a non-tensor object after the trace (tensors have ``.save()``)
     register(mod)  send a module of yours by value to remote replicas (remote/__init__.py)
-    apply, CONFIG  older nnsight names (a plain call; settings such as ``CONFIG.APP.DEBUG``)
+    apply, CONFIG  older nnsight names (a plain call; settings such as ``CONFIG.APP.DEBUG``;
+                   ``log`` is print, ``list``/``dict``/... the builtins, as nnsight 0.5 had them)
     errors         the exception types (all derive from NNsightError)
 
 Example::
@@ -22,7 +23,7 @@ Example::
 """
 
 from . import errors, intervention, modeling  # (nnsight's module paths: intervention.envoy...)
-from .compat import CONFIG, NNsightDeprecationWarning, apply
+from .compat import CONFIG, NNsightDeprecationWarning, apply, legacy_builtins, log
 from .envoy import Envoy, save
 from .errors import (
     BatchingError,
@@ -54,6 +55,9 @@ from .modeling.transformers import TransformersModel
 from .remote import register
 from .tracing import Invoker, Tracer
 
+globals().update(legacy_builtins)  # nnsight_lite.list() etc.: nnsight 0.5's legacy aliases
+del legacy_builtins
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -67,6 +71,7 @@ __all__ = [
     "save",
     "register",
     "apply",
+    "log",
     "CONFIG",
     "NNsightDeprecationWarning",
     "errors",

@@ -6,6 +6,10 @@
                                  remote-API settings are stored and otherwise unused here
     NNsightDeprecationWarning    nnsight's warning category, for code that filters it (nothing
                                  here warns with it: the older forms simply work)
+    log(*args)                   ``print``, as nnsight 0.5+'s ``nnsight.log``
+    list, dict, tuple, ...       nnsight's graph-era container constructors, which nnsight 0.5+
+                                 keeps as (deprecated) aliases of the builtins: the builtins
+                                 (``nnsight.list().save()`` in a body is a saved ``[]``)
 
 Example::
 
@@ -16,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import builtins
 import os
 
 
@@ -29,6 +34,19 @@ def apply(fn, *args, **kwargs):
             top = nnsight_lite.apply(torch.topk, model.output, 3).indices.save()
     """
     return fn(*args, **kwargs)
+
+
+def log(*args, **kwargs) -> None:
+    """nnsight 0.5+'s ``nnsight.log(message)``: ``print`` (as ``tracer.log``)."""
+    print(*args, **kwargs)
+
+
+#: nnsight 0.5+ keeps its graph-era constructors (``nnsight.list()``, ``nnsight.dict()``, ...)
+#: as deprecated aliases of the builtins, so code using them runs there: here they are the
+#: builtins themselves (not exported by ``import *``, which would shadow nothing new)
+LEGACY_BUILTINS = ("bool", "bytes", "bytearray", "complex", "dict", "float", "int", "list",
+                   "str", "tuple")
+legacy_builtins = {name: getattr(builtins, name) for name in LEGACY_BUILTINS}
 
 
 class NNsightDeprecationWarning(FutureWarning):

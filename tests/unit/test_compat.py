@@ -34,6 +34,32 @@ def test_log_prints_from_the_body(model, capsys):
     assert capsys.readouterr().out == f"shape {torch.Size([2, 8])}\n"
 
 
+def test_graph_era_constructors_and_log_run_as_in_nnsight_05(model, capsys):
+    """nnsight 0.5+ keeps ``nnsight.list()``, ``nnsight.dict()``, ... (deprecated aliases of the
+    builtins) and ``nnsight.log``; code using them ran into an AttributeError here. A body's
+    ``nnsight.list().save()`` collects what plain forward hooks see."""
+    x = torch.randn(3, 4)
+    seen = []
+    handles = [m.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+               for m in model._module]
+    model._module(x)
+    for h in handles:
+        h.remove()
+    with model.trace(x):
+        outs = nnsight_lite.list().save()
+        by_name = nnsight_lite.dict().save()
+        for i, layer in enumerate(model):
+            outs.append(layer.output)
+            by_name[nnsight_lite.str(i)] = nnsight_lite.tuple(layer.output.shape)
+        nnsight_lite.log("layers", len(outs))
+    assert len(outs) == len(seen) == 3
+    for got, want in zip(outs, seen):
+        torch.testing.assert_close(got, want)
+    assert by_name == {"0": (3, 8), "1": (3, 8), "2": (3, 2)}
+    assert capsys.readouterr().out == "layers 3\n"
+    assert nnsight_lite.int("4") == 4 and nnsight_lite.float is float
+
+
 def test_config_fields_read_and_set():
     cfg = nnsight_lite.CONFIG
     assert cfg.APP.DEBUG in (True, False)
