@@ -151,3 +151,33 @@ class TestTraining:
             opt.zero_grad()
         assert losses[-1] < losses[0] * 0.9
         assert all(p.grad is None for p in seq.parameters())
+
+
+def test_readme_tour_blocks_run_in_order_as_written(tmp_path):
+    """The README's blocks on the tour's model (the tour, several invokes, caching, sessions
+    and edits, gradients) run one after another in one script, as a reader pastes them, and
+    give what plain torch gives. Before, the batching block used `clean`/`corrupt` defined
+    nowhere, the standalone backward `out`/`h0`, and the session block left its in-place edit
+    of model[1] on `model`, so the gradients block failed in torch's backward."""
+    import runpy
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+    def block(heading):
+        return re.search(r"```python\n(.*?)```", readme.split(heading, 1)[1], re.S).group(1)
+
+    headings = ["## A tour", "### Several inputs in one batched forward",
+                "### Caching many modules at once", "### Sessions and persistent edits",
+                "### Gradients"]
+    script = tmp_path / "readme_tour.py"
+    script.write_text("\n".join(block(h) for h in headings))
+    ns = runpy.run_path(str(script))
+    net, x, clean = ns["model"]._module, ns["x"], ns["clean"]
+    h = net[1](net[0](clean))
+    torch.testing.assert_close(ns["patched"], net[2](h))  # the session's patch: clean's layer 1
+    h0 = net[0](x)
+    h0.retain_grad()
+    net[2](net[1](h0)).sum().backward()
+    torch.testing.assert_close(ns["g0"], h0.grad)
+    assert not ns["g"].any()  # edited in place by `h.grad[:] = 0` after it was saved
