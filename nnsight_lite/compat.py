@@ -6,7 +6,7 @@
                                  remote-API settings are stored and otherwise unused here
     NNsightDeprecationWarning    nnsight's warning category, for code that filters it (nothing
                                  here warns with it: the older forms simply work)
-    log(*args)                   ``print``, as nnsight 0.5+'s ``nnsight.log``
+    log(*args)                   ``print``, as nnsight 0.5's ``nnsight.log`` (gone in 0.8)
     list, dict, tuple, ...       nnsight's graph-era container constructors, which nnsight 0.5+
                                  keeps as (deprecated) aliases of the builtins: the builtins
                                  (``nnsight.list().save()`` in a body is a saved ``[]``)
@@ -37,11 +37,11 @@ def apply(fn, *args, **kwargs):
 
 
 def log(*args, **kwargs) -> None:
-    """nnsight 0.5+'s ``nnsight.log(message)``: ``print`` (as ``tracer.log``)."""
+    """nnsight 0.5's ``nnsight.log(message)`` (0.8.1 has none): ``print`` (as ``tracer.log``)."""
     print(*args, **kwargs)
 
 
-#: nnsight 0.5+ keeps its graph-era constructors (``nnsight.list()``, ``nnsight.dict()``, ...)
+#: nnsight 0.5 kept its graph-era constructors (``nnsight.list()``, ``nnsight.dict()``, ...)
 #: as deprecated aliases of the builtins, so code using them runs there: here they are the
 #: builtins themselves (not exported by ``import *``, which would shadow nothing new)
 LEGACY_BUILTINS = ("bool", "bytes", "bytearray", "complex", "dict", "float", "int", "list",

@@ -35,7 +35,7 @@ def test_log_prints_from_the_body(model, capsys):
 
 
 def test_graph_era_constructors_and_log_run_as_in_nnsight_05(model, capsys):
-    """nnsight 0.5+ keeps ``nnsight.list()``, ``nnsight.dict()``, ... (deprecated aliases of the
+    """nnsight 0.5 kept ``nnsight.list()``, ``nnsight.dict()``, ... (deprecated aliases of the
     builtins) and ``nnsight.log``; code using them ran into an AttributeError here. A body's
     ``nnsight.list().save()`` collects what plain forward hooks see."""
     x = torch.randn(3, 4)
