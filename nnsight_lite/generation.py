@@ -2,6 +2,8 @@
 
     Generator         the tracer ``with model.generate(prompt, max_new_tokens=k) as tracer:``
                       returns; runs HF ``generate`` with the bodies interleaved at every step
+    Piper             ``with model.pipe(prompt, **kwargs) as tracer:``: the same around the
+                      model's Hugging Face pipeline, end to end
     _GeneratorOutput  ``model.generator``: an identity module called once with the ids
     _Streamer         ``model.generator.streamer``: called with the prompt, then each new token
 
@@ -153,10 +155,14 @@ class Generator(Tracer):
         flags = gen.__dict__  # (plain attributes: set without Module.__setattr__'s checks)
         flags["attached"] = True
         try:
-            super()._run(scope)
+            self._run_attached(scope)
         finally:
             flags["attached"] = False
             del hf._modules["generator"]
+
+    def _run_attached(self, scope):
+        """The trace itself, while ``model.generator`` is attached."""
+        super()._run(scope)
 
     def _interleave(self, inter, made: list, args: tuple, kwargs: dict):
         # an open `for step in tracer.all():` has one step per new token, as nnsight's has: a
@@ -165,7 +171,7 @@ class Generator(Tracer):
         # each new token), there is one more step for the last token's streamer call; a step
         # waiting for another module there ends the loop when generation ends
         n = self._setting("max_new_tokens", kwargs)
-        inter.steps = n + self._streams() if isinstance(n, int) else None
+        inter.steps = n + self._streams() if isinstance(n, int) and self._one_run() else None
         # HF generate expands each prompt's row into max(num_beams, num_return_sequences)
         # adjacent rows for the forwards, and returns num_return_sequences rows a prompt: each
         # invoke gets its prompts' rows of those (batching.narrow)
@@ -183,6 +189,10 @@ class Generator(Tracer):
             inter.compiled = True
         with torch.no_grad():
             return super()._interleave(inter, made, args, kwargs)
+
+    def _one_run(self) -> bool:
+        """Whether the model generates once (a pipeline runs generate once per prompt)."""
+        return True
 
     def _setting(self, name: str, kwargs: dict):
         """A generation setting as HF takes it: generate()'s keyword, else an invoke's (the
@@ -226,3 +236,57 @@ class Generator(Tracer):
 
     def _result_envoy(self):
         return self._model.generator
+
+
+class Piper(Generator):
+    """The tracer of ``with model.pipe(prompt, max_new_tokens=k) as tracer:`` (nnsight 0.8's
+    traced pipeline): runs the model's Hugging Face text-generation pipeline end to end, which
+    tokenizes, generates and decodes, with the block's body interleaved in every forward it
+    makes (a module's call ``i`` is generation step ``i``, as in a generate; a list of prompts
+    the pipeline runs one after another counts on across them). ``tracer.result`` (and
+    ``model.generator.output``) is what the pipeline returned, ``[{"generated_text": ...}]``.
+    The body is the whole batch's: no invokes (the pipeline makes its own batches).
+    """
+
+    _call_name = "model.pipe"
+
+    def __init__(self, model: LanguageModel, inputs: tuple, kwargs: dict):
+        super().__init__(model, (), {}, kwargs)
+        self._pipe_inputs = inputs
+
+    def _let_go(self) -> None:
+        super()._let_go()
+        self._pipe_inputs = ()
+
+    def _run_attached(self, scope):
+        from .context import body_job
+        from .interleaver import Interleaver
+        from .sessions import _add_edits
+
+        model = self._model
+        inter = Interleaver(model._module, 1, model.__dict__)
+        made = _add_edits(inter, model) if model._edits else []
+        inter.add(body_job(self._body.code, scope), None, scope)
+        self._interleave(inter, made, (), {})
+
+    def _forward(self, inter, args: tuple, kwargs: dict):
+        out = self._model.pipeline(*self._pipe_inputs, **self._gen_kwargs)
+        inter.end_iterations()  # (as generate's: step loops end, the code after them runs)
+        self._result = self._model._generator_module(out)
+        return self._result
+
+    def _streams(self) -> bool:
+        return False  # (the pipeline takes a streamer= of the user's itself)
+
+    def _one_run(self) -> bool:
+        # (several prompts: one generate each, so an open step loop runs on until a read
+        # finds no further call, not max_new_tokens steps)
+        inputs = self._pipe_inputs
+        return len(inputs) == 1 and isinstance(inputs[0], str)
+
+    def invoke(self, *args, **kwargs):
+        raise InputError(
+            "model.pipe(...) takes its inputs in the call and runs the pipeline on them as it "
+            "batches them: its block has no invokes. Give the prompts to model.pipe(...), or "
+            "use model.generate(...) with invokes to give each prompt a body of its own")
+

@@ -178,11 +178,9 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
         return self._generator
 
     @_module_first
-    def pipe(self):
-        """nnsight 0.8's ``model.pipe(prompt, **kwargs)``: the Hugging Face text-generation
-        pipeline over this model and its tokenizer (made once per module; the weights load
-        first), for decoded records (``[{"generated_text": ...}]``) where ``generate`` gives
-        token ids. A plain call: no trace, and the model's persistent edits do not apply."""
+    def pipeline(self):
+        """The Hugging Face text-generation pipeline over this model and its tokenizer (made
+        once per module; the weights load first), as nnsight 0.8's ``model.pipeline``."""
         self.dispatch()
         d = self.__dict__
         made = d.get("_pipe")
@@ -192,6 +190,35 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
             made = d["_pipe"] = (self._module, pipeline(
                 "text-generation", model=self._module, tokenizer=self.tokenizer))
         return made[1]
+
+    @_module_first
+    def pipe(self):
+        """nnsight 0.8's ``model.pipe(prompt, **kwargs)``: the text-generation pipeline end to
+        end, for decoded records (``[{"generated_text": ...}]``) where ``generate`` gives token
+        ids. Called plainly it returns them (no trace: persistent edits do not apply); as
+        ``with model.pipe(prompt, max_new_tokens=k) as tracer:`` the block's body runs in every
+        forward the pipeline makes, as in a generate, and ``tracer.result`` is the records.
+
+        Example::
+
+            with model.pipe("The Eiffel Tower is in", max_new_tokens=3) as tracer:
+                logits = nnsight_lite.save([])
+                for step in tracer.all():
+                    logits.append(model.lm_head.output[:, -1])
+                text = tracer.result.save()
+        """
+        return self._pipe_call
+
+    def _pipe_call(self, *inputs, **kwargs):
+        if not _called_as_context(sys._getframe(1)):
+            return self.pipeline(*inputs, **kwargs)
+        if kwargs.get("remote") or kwargs.get("backend") is not None:
+            raise InputError("model.pipe runs here only; a remote block: `with model.generate("
+                             "prompt, remote=True):`, decoding its ids with model.tokenizer")
+        from .generation import Piper
+
+        self.dispatch()
+        return Piper(self, inputs, kwargs)
 
     def __setattr__(self, name, value):
         if name == "tokenizer":

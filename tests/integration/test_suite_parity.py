@@ -234,7 +234,7 @@ def test_pipe_gives_the_text_generation_pipelines_records(model_dirs, hf, arch):
         _warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
         model = LanguageModel(model_dirs[arch])  # on meta: pipe loads the weights first
     got = model.pipe(PROMPT, max_new_tokens=3, do_sample=False)
-    assert model.dispatched and model.pipe is model.pipe
+    assert model.dispatched and model.pipeline is model.pipeline  # (made once)
     want = transformers.pipeline("text-generation", model=hf, tokenizer=model.tokenizer)(
         PROMPT, max_new_tokens=3, do_sample=False)
     assert got == want and got[0]["generated_text"].startswith(PROMPT)
@@ -242,3 +242,73 @@ def test_pipe_gives_the_text_generation_pipelines_records(model_dirs, hf, arch):
 
     again = pickle.loads(pickle.dumps(model))  # (the pipeline is made again, not pickled)
     assert "_pipe" not in again.__dict__
+
+
+def test_pipe_as_a_block_traces_every_forward_of_the_pipeline(model_dirs, hf, arch):
+    """``with model.pipe(prompt, max_new_tokens=k) as tracer:`` (nnsight 0.8.1 traces the
+    pipeline; here it ran the pipeline, then raised TypeError at the with-statement): the body
+    reads each step's logits as a hook on the plain pipeline sees them, an edit at every step
+    changes the text as the same edit by a hook does, and ``tracer.result`` is the pipeline's
+    records. Invokes are refused with an error saying where prompts go."""
+    import warnings as _warnings
+
+    import transformers
+
+    import nnsight_lite
+    from nnsight_lite import LanguageModel
+    from nnsight_lite.errors import InputError
+    from tests.integration.conftest import layers
+
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
+        model = LanguageModel(model_dirs[arch])
+    kw = dict(max_new_tokens=3, do_sample=False)
+    plain = transformers.pipeline("text-generation", model=hf, tokenizer=model.tokenizer)
+    head, mlp = hf.lm_head, (hf.transformer.h if arch == "gpt2" else hf.model.layers)[1].mlp
+
+    def hooked(edit):
+        seen = []
+        hooks = [head.register_forward_hook(lambda m, i, o: seen.append(o[:, -1].clone()))]
+        if edit:
+            hooks.append(mlp.register_forward_hook(lambda m, i, o: o * 0))
+        try:
+            return plain(PROMPT, **kw), seen
+        finally:
+            for h in hooks:
+                h.remove()
+
+    for edit in (False, True):
+        with model.pipe(PROMPT, **kw) as tracer:
+            logits = nnsight_lite.save([])
+            for step in tracer.all():
+                if edit:
+                    layers(model, arch)[1].mlp.output = layers(model, arch)[1].mlp.output * 0
+                logits.append(model.lm_head.output[:, -1])
+            records = tracer.result.save()
+        want, seen = hooked(edit)
+        assert records == want and tracer.result == want
+        assert len(logits) == len(seen) == 3
+        for got, ref in zip(logits, seen):
+            torch.testing.assert_close(got, ref)
+    assert hooked(True)[0] != hooked(False)[0]  # (the edit changed the text)
+    two = [PROMPT, "hello world"]  # (the pipeline generates for each in turn: 6 steps)
+    with model.pipe(two, **kw) as tracer:
+        logits = nnsight_lite.save([])
+        for step in tracer.all():
+            logits.append(model.lm_head.output[:, -1])
+    seen = []
+    handle = head.register_forward_hook(lambda m, i, o: seen.append(o[:, -1].clone()))
+    try:
+        assert tracer.result == plain(two, **kw)
+    finally:
+        handle.remove()
+    assert len(logits) == len(seen) == 6
+    for got, ref in zip(logits, seen):
+        torch.testing.assert_close(got, ref)
+    with pytest.raises(InputError, match=r"model\.pipe\(\.\.\.\) takes its inputs in the call"):
+        with model.pipe(PROMPT, **kw) as tracer:
+            with tracer.invoke(PROMPT):
+                pass
+    with pytest.raises(InputError, match=r"model\.pipe runs here only"):
+        with model.pipe(PROMPT, remote=True, **kw):
+            pass
