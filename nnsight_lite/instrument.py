@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from .capture.parsing import parse
+from .capture.parsing import fix_locations, parse
 from .capture.weak import keep_weakly
 from .calls import traced_slot
 from .errors import SourceUnavailableError
@@ -253,7 +253,7 @@ def compiled(func: types.FunctionType) -> Compiled:
     shell = parse(f"def __nnsight_shell__({params}):\n    pass").body[0]
     shell.body = [fdef, ast.Return(ast.Name(fdef.name, ast.Load()))]
     module = ast.Module(body=[shell], type_ignores=[])
-    ast.fix_missing_locations(module)
+    fix_locations(module)
     top = compile(module, code.co_filename, "exec", dont_inherit=True)
     inner = _find_code(_find_code(top, "__nnsight_shell__"), fdef.name)
     n = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS) \

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from types import CodeType, FrameType
 
 from ..errors import BodySyntaxError
+from .parsing import fix_locations
 from .rewrite import INLINE_NAME, assigned_names, body_syntax_error, rewrite_body, scope_names
 from .skip import Skipper, skip_line
 from .source import find_with, remember_source
@@ -92,7 +93,7 @@ def _compile_body(frame: FrameType, what: str) -> Body:
     # the parsed tree is shared by the call sites of one source: rewrite a copy
     stmts = rewrite_body(copy.deepcopy(node.body))
     module = ast.Module(body=stmts, type_ignores=[])
-    ast.fix_missing_locations(module)
+    fix_locations(module)
     try:
         code = compile(module, filename, "exec", dont_inherit=True)
     except SyntaxError as exc:

@@ -1,4 +1,5 @@
-"""``parse``: ``ast.parse`` that two threads can call at once on every Python we support.
+"""``parse``: ``ast.parse`` that two threads can call at once on every Python we support;
+``fix_locations``: ``ast.fix_missing_locations`` that leaves no garbage.
 
 CPython 3.11.0-3.11.7 (and 3.12.0-3.12.1 builds of the same code) keep the depth counter of
 the C-to-Python AST conversion in state shared by all threads; when the garbage collector runs
@@ -31,3 +32,30 @@ def parse(source, filename: str = "<unknown>", mode: str = "exec", **kwargs) -> 
             if "recursion depth mismatch" not in str(exc) or attempt == _TRIES - 1:
                 raise
     raise AssertionError("unreachable")  # (the last attempt returns or raises)
+
+
+_SPANS = (("lineno", False), ("col_offset", False), ("end_lineno", True),
+          ("end_col_offset", True))
+
+
+def fix_locations(node: ast.AST) -> ast.AST:
+    """What ``ast.fix_missing_locations`` does (each node without a location takes its
+    parent's), walked with a stack: the standard one recurses through a nested function that
+    refers to itself, a reference cycle per call that only the garbage collector frees (the
+    first trace at each new call site compiled its body with it)."""
+    todo = [(node, (1, 0, 1, 0))]
+    while todo:
+        item, inherited = todo.pop()
+        here = list(inherited)
+        fields = item._attributes
+        for i, (name, optional) in enumerate(_SPANS):
+            if name in fields:
+                value = getattr(item, name, None)
+                if value is None and (optional or not hasattr(item, name)):
+                    setattr(item, name, here[i])
+                else:
+                    here[i] = value
+        here = tuple(here)
+        todo.extend((child, here) for child in ast.iter_child_nodes(item))
+    return node
+

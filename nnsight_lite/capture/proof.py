@@ -18,6 +18,7 @@ import warnings
 from collections import OrderedDict
 from types import CodeType
 
+from .parsing import fix_locations
 from .rewrite import rewrite_body
 
 _WHOLE = 32  # whole sources kept compiled (as source.py keeps parsed trees)
@@ -44,7 +45,7 @@ def compiled_variants(tree, source: str, node: ast.With, filename: str, flags: i
 
 
 def _compile(stmts, filename: str, flags: int, inner: bool = False):
-    module = ast.fix_missing_locations(ast.Module(body=stmts, type_ignores=[]))
+    module = fix_locations(ast.Module(body=stmts, type_ignores=[]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         code = compile(module, filename, "exec", flags=flags, dont_inherit=True)

@@ -30,7 +30,7 @@ import warnings
 from collections import OrderedDict
 
 from ..capture.body import forget_namespace
-from ..capture.parsing import parse
+from ..capture.parsing import fix_locations, parse
 from ..capture.rewrite import rewrite_body
 from ..capture.source import remember_source, with_at
 from ..errors import PolicyError, RemoteTimeoutError
@@ -75,7 +75,7 @@ def compile_body(source: str, filename: str, lineno: int, tail: "list | None" = 
     node = with_at(tree, lineno)
     stmts = rewrite_body(copy.deepcopy(node.body)) + list(tail or ())
     module = ast.Module(body=stmts, type_ignores=[])
-    ast.fix_missing_locations(module)
+    fix_locations(module)
     code = compile(module, filename, "exec", dont_inherit=True)
     remember_source(code, source.splitlines(True))
     return code

@@ -202,6 +202,46 @@ def test_traces_free_everything_without_the_garbage_collector(seq):
         assert cycles_left_by(fn) == [], fn.__name__
 
 
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * 2
+
+
+def test_the_first_trace_at_a_new_call_site_leaves_no_reference_cycles():
+    """A with-statement met for the first time (each run of a notebook cell is a new one) is
+    compiled then: with-bodies, nested invokes, a .source forward instrumented, a backward
+    block. That left a reference cycle per call site (ast.fix_missing_locations recurses
+    through a closure that refers to itself) for the collector."""
+    import linecache
+
+    model = NNsight(_Block())
+    x = torch.randn(3, 8, requires_grad=True)
+    source = (
+        "def run():\n"
+        "    with model.trace() as tracer:\n"
+        "        with tracer.invoke(x):\n"
+        "            s = model.source.torch_relu_0.output.save()\n"
+        "            out = model.output.save()\n"
+        "        with tracer.invoke(x):\n"
+        "            model.lin.output[:] = 0\n"
+        "    with out.sum().backward():\n"
+        "        g = x.grad.save()\n"
+        "    return s, g\n")
+    for i in range(3):
+        name = f"<a new call site {i} of {__name__}>"
+        linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+        scope = {"model": model, "x": x}
+        try:
+            exec(compile(source, name, "exec"), scope)
+            assert cycles_left_by(scope["run"]) == []
+        finally:
+            del linecache.cache[name]
+
+
 @pytest.mark.parametrize("invokes", [1, 2])
 def test_a_model_traced_by_new_workers_is_freed(invokes):
     """A trace run while no pooled worker greenlet is idle makes new ones (for its forward,
