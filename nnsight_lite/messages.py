@@ -93,6 +93,36 @@ def no_body_error(envoy, what: str, action: str) -> OutsideTraceError:
     )
 
 
+def _wrapper_ran_instead(inter, mslot) -> "str | None":
+    """Why no operation of ``mslot``'s forward ran where the module did run: its forward is a
+    decorator's wrapper (``functools.wraps``) whose code did not call the function ``.source``
+    lists (transformers' MoE experts dispatch to ``config._experts_implementation``); else
+    None."""
+    from .instrument import _function_of, _layers
+
+    hit = inter.sources.installed.get(mslot) if inter.sources is not None else None
+    if hit is None or any(op.calls for op in hit[1].values()):
+        return None
+    func = _function_of(hit[0])[0]
+    chain = _layers(func) if func is not None else ()
+    if len(chain) < 2:
+        return None
+    outer = chain[0]
+    module = mslot.module
+    code = outer.__code__
+    name = getattr(code, "co_qualname", code.co_name)  # (the wrapper's own, not wraps')
+    why = (f"{type(module).__name__}.forward is wrapped by a decorator ({name}, "
+           f"{code.co_filename}:{code.co_firstlineno}) that did not call the function it "
+           "wraps in this forward (it ran other code instead), so none of that function's "
+           "operations ran")
+    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if impl is not None and impl != "eager":
+        why += (f". transformers runs MoE experts with config._experts_implementation "
+                f"({impl!r}): model.set_experts_implementation(\"eager\") before the trace (or "
+                "experts_implementation=\"eager\" when loading) runs the code .source lists")
+    return why
+
+
 def never_ran(path: str, envoy, kind: str, inter=None) -> str:
     """Why ``path`` (a module or an operation) has no call in this forward, and where to look."""
     from .source import OpEnvoy, Source
@@ -104,6 +134,10 @@ def never_ran(path: str, envoy, kind: str, inter=None) -> str:
             mslot = inter.slots.get(id(parent._module))
             if owner is not None and (mslot is None or not mslot.calls):
                 return never_ran(owner._path, owner, kind)
+            wrapper = _wrapper_ran_instead(inter, mslot)
+            if wrapper is not None:
+                return (f"{path} never ran in this forward: " + wrapper
+                        + f" (print({parent._path}) lists the function it wraps)")
         comp = parent._compiled()
         line = comp.spans[comp.index[envoy._name]][0]
         return (

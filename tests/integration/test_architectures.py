@@ -1,6 +1,7 @@
 """Tiny random models of many transformers architectures (built from configs, seeded, no hub),
 traced by NNsight and checked against plain torch hooks: a smoke sweep saving every module's
-output in one trace."""
+output in one trace, and what an architecture sweep found (the ``.source`` of transformers'
+MoE experts, whose forward a decorator dispatches)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from nnsight_lite import NNsight  # noqa: E402
+from nnsight_lite import MissedModuleError, NNsight  # noqa: E402
 
 _DEC = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -157,3 +158,42 @@ def test_every_modules_output_saved_in_one_trace_equals_hooks(name):
         mine, theirs = _tensors(value), _tensors(want[path, call])
         assert len(mine) == len(theirs), (path, call)
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs)), (path, call)
+
+
+class TestMoEExpertsSource:
+    """transformers 5's MoE experts (Mixtral, Qwen2-MoE, Qwen3-MoE, ...) have a ``forward``
+    that a decorator wraps: it dispatches to ``config._experts_implementation`` (``grouped_mm``
+    by default) and calls the eager function that ``.source`` lists only for ``"eager"``."""
+
+    def test_a_wrapper_that_ran_other_code_is_named_in_the_error(self):
+        """Found by the sweep: reading an operation of ``experts.source`` raised the generic
+        "the line it is on did not run (a branch the forward did not take ...)", though no
+        line of the function ran at all; the error now names the wrapper and the setting."""
+        model, inputs = build("mixtral")
+        traced = NNsight(model)
+        experts = traced.model.layers[0].mlp.experts
+        with pytest.raises(MissedModuleError, match=r"wrapped by a decorator \(use_experts_imp"
+                           r"lementation[\s\S]*set_experts_implementation\(\"eager\"\)"):
+            with traced.trace(**inputs):
+                experts.source.self_act_fn_0.output.save()
+
+    def test_with_eager_experts_the_listed_operations_run(self):
+        """``set_experts_implementation("eager")`` runs the listed code: an operation read in
+        the body equals a hook on the module it calls, the logits the plain eager model's."""
+        model, inputs = build("mixtral")
+        model.set_experts_implementation("eager")
+        seen = []
+        act = model.model.layers[0].mlp.experts.act_fn
+        handle = act.register_forward_hook(lambda m, a, o: seen.append(o.clone()))
+        try:
+            with torch.no_grad():
+                plain = model(**inputs).logits
+        finally:
+            handle.remove()
+        traced = NNsight(model)
+        with torch.no_grad():
+            with traced.trace(**inputs):
+                first = traced.model.layers[0].mlp.experts.source.self_act_fn_0.output.save()
+                logits = traced.output.logits.save()
+        assert torch.equal(first, seen[0])
+        assert torch.equal(logits, plain)

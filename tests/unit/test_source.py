@@ -599,6 +599,36 @@ class TestCost:
         torch.testing.assert_close(r, torch.relu(x + 1))
         torch.testing.assert_close(out, torch.relu(x + 1) * 9)
 
+    def test_a_decorator_that_did_not_call_the_forward_is_named(self, x):
+        """A wraps decorator that runs other code instead of the function it wraps (as
+        transformers' MoE experts dispatch on a setting): reading a listed operation says
+        that the wrapper did not call it (it said "a branch the forward did not take"); where
+        the wrapper calls it, the operation is read as usual."""
+        def dispatch(fn):
+            @functools.wraps(fn)
+            def wrapper(self, x):
+                return x * 2 if self.fast else fn(self, x)
+            return wrapper
+
+        class Fast(torch.nn.Module):
+            fast = True
+
+            @dispatch
+            def forward(self, x):
+                return torch.relu(x) * 2
+
+        net = Fast()
+        model = NNsight(net)
+        with pytest.raises(MissedModuleError, match=r"never ran in this forward: Fast.forward is "
+                           r"wrapped by a decorator \([\w.<>]*dispatch.<locals>.wrapper, "
+                           r"[^)]*test_source.py:\d+\) that did not call the function it wraps"):
+            with model.trace(x):
+                model.source.torch_relu_0.output.save()
+        net.fast = False
+        with model.trace(x):
+            r = model.source.torch_relu_0.output.save()
+        torch.testing.assert_close(r, torch.relu(x))
+
     def test_body_calling_the_module_itself_is_not_counted(self, block, x):
         """Calling the module from a body runs it plainly; the trace's op counts are untouched."""
         model = NNsight(block)
