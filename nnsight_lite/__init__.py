@@ -23,7 +23,8 @@ Example::
 """
 
 from . import errors, intervention, modeling  # (nnsight's module paths: intervention.envoy...)
-from .compat import CONFIG, NNsightDeprecationWarning, apply, legacy_builtins, log
+from .compat import (CONFIG, NNsightDeprecationWarning, apply, cond, iter, legacy_builtins,
+                     local, log, session, stop, trace)
 from .envoy import Envoy, save
 from .errors import (
     BatchingError,
@@ -55,6 +56,9 @@ from .modeling.transformers import TransformersModel
 from .remote import register
 from .tracing import Invoker, Tracer
 
+# nnsight 0.5's other top-level names, for nnsight.stop() and the like (not in __all__: under
+# ``import *`` iter would shadow the builtin)
+_LEGACY_NAMES = (cond, iter, local, session, stop, trace)
 globals().update(legacy_builtins)  # nnsight_lite.list() etc.: nnsight 0.5's legacy aliases
 del legacy_builtins
 

@@ -7,9 +7,13 @@
     NNsightDeprecationWarning    nnsight's warning category, for code that filters it (nothing
                                  here warns with it: the older forms simply work)
     log(*args)                   ``print``, as nnsight 0.5's ``nnsight.log`` (gone in 0.8)
-    list, dict, tuple, ...       nnsight's graph-era container constructors, which nnsight 0.5+
-                                 keeps as (deprecated) aliases of the builtins: the builtins
+    list, dict, tuple, ...       nnsight's graph-era container constructors, which nnsight 0.5
+                                 kept as (deprecated) aliases of the builtins: the builtins
                                  (``nnsight.list().save()`` in a body is a saved ``[]``)
+    stop(), session(), trace     nnsight 0.5's other legacy names: the innermost trace's
+                                 ``tracer.stop()``, a session of no model, a no-op decorator
+    cond, iter, local            graph-era forms nnsight 0.5 refused too: an error showing the
+                                 plain Python that replaces them
 
 Example::
 
@@ -34,6 +38,62 @@ def apply(fn, *args, **kwargs):
             top = nnsight_lite.apply(torch.topk, model.output, 3).indices.save()
     """
     return fn(*args, **kwargs)
+
+
+def stop() -> None:
+    """nnsight 0.5's ``nnsight.stop()``: ``tracer.stop()`` of the innermost trace whose body
+    calls it (a backward block's: that backward pass)."""
+    from .errors import InvokeError, NNsightError
+    from .mediator import _collecting
+    from .messages import in_backward_block
+    from .waits import StopTrace
+    from .workers import _getcurrent, user_location
+
+    where = user_location()
+    if getattr(_getcurrent(), "mediator", None) is None and not in_backward_block():
+        if getattr(_collecting, "depth", 0):
+            raise InvokeError(
+                f"nnsight_lite.stop() at {where} is in the body of a trace given no inputs, "
+                "which only sets up its invokes before the model runs; call it inside an "
+                "invoke's body, after the reads it should come after")
+        raise NNsightError(
+            f"nnsight_lite.stop() at {where} was called outside the body of a running trace, "
+            "so there is no forward to end; call it (or tracer.stop()) inside the body of the "
+            "trace it should end")
+    raise StopTrace(None, where)
+
+
+def session():
+    """nnsight 0.5's ``nnsight.session()``: ``with nnsight_lite.session():`` runs traces (of
+    any models) in a row that share their values without ``.save()``, as ``model.session()``
+    does; only saved values leave it."""
+    from .sessions import Session
+
+    return Session()
+
+
+def trace(fn):
+    """nnsight 0.5's ``@nnsight.trace`` decorator: the function itself (bodies may call any
+    function already)."""
+    return fn
+
+
+def _refused(name: str, instead: str):
+    def refused(*args, **kwargs):
+        from .errors import NNsightError
+
+        raise NNsightError(f"nnsight.{name}(...) is a graph-era form that nnsight 0.5 refused "
+                           f"as well; bodies here run eagerly on real tensors: {instead}")
+
+    refused.__name__ = refused.__qualname__ = name
+    refused.__doc__ = f"nnsight's graph-era ``{name}``: raises, showing what replaces it."
+    return refused
+
+
+cond = _refused("cond", "write a plain `if model.layer.output.sum() > 0:`")
+iter = _refused("iter", "loop over generation steps with `for step in tracer.iter[...]:`")
+local = _refused("local", "a body's code runs where its trace runs; compute the value in the "
+                          "body, or save it and compute after the block")
 
 
 def log(*args, **kwargs) -> None:

@@ -10,7 +10,7 @@ import torch
 
 import nnsight_lite
 from nnsight_lite import NNsight
-from nnsight_lite.errors import NNsightError
+from nnsight_lite.errors import InvokeError, NNsightError
 
 
 @pytest.fixture
@@ -58,6 +58,58 @@ def test_graph_era_constructors_and_log_run_as_in_nnsight_05(model, capsys):
     assert by_name == {"0": (3, 8), "1": (3, 8), "2": (3, 2)}
     assert capsys.readouterr().out == "layers 3\n"
     assert nnsight_lite.int("4") == 4 and nnsight_lite.float is float
+
+
+def test_nnsight_05_stop_session_and_trace(model):
+    """nnsight 0.5's ``nnsight.stop()`` ends the innermost running trace as ``tracer.stop()``
+    does (later modules never run: a hook on them sees nothing), ``nnsight.session()`` shares
+    values between traces as ``model.session()`` does, and ``@nnsight.trace`` is a no-op;
+    outside a body stop() says there is nothing to end."""
+    x = torch.randn(3, 4)
+    net = model._module
+    ran = []
+    handle = net[2].register_forward_hook(lambda m, a, out: ran.append(1))
+    try:
+        with model.trace(x):
+            h = model[1].output.save()
+            nnsight_lite.stop()
+    finally:
+        handle.remove()
+    assert ran == [] and torch.equal(h, torch.relu(net[0](x)))
+    with nnsight_lite.session():
+        with model.trace(x):
+            mid = model[1].output  # (not saved: the session shares it)
+        with model.trace(x * 0):
+            model[1].output[:] = mid
+            out = model.output.save()
+    assert "mid" not in locals()
+    torch.testing.assert_close(out, net[2](torch.relu(net[0](x))))
+
+    @nnsight_lite.trace
+    def double(t):
+        return t * 2
+
+    assert torch.equal(double(x), x * 2)
+    with pytest.raises(NNsightError, match=r"stop\(\) at .*outside the body of a running trace"):
+        nnsight_lite.stop()
+    with pytest.raises(InvokeError, match=r"stop\(\) at .*a trace given no inputs"):
+        with model.trace() as tracer:
+            nnsight_lite.stop()
+            with tracer.invoke(x):
+                model.output.save()
+
+
+@pytest.mark.parametrize("name, instead", [("cond", "plain `if"), ("iter", "tracer.iter"),
+                                           ("local", "compute the value in the body")])
+def test_nnsight_05_refused_graph_era_forms_show_what_replaces_them(model, name, instead):
+    """``nnsight.cond/iter/local`` (refused by nnsight 0.5 too) raise an error naming the
+    plain Python that replaces them, in a body as outside, and the trace leaves nothing."""
+    with pytest.raises(NNsightError, match=f"nnsight.{name}.*graph-era.*{instead}"):
+        with model.trace(torch.randn(1, 4)):
+            getattr(nnsight_lite, name)(model.output)
+    with model.trace(torch.randn(1, 4)):
+        out = model.output.save()
+    assert out.shape == (1, 2)
 
 
 def test_config_fields_read_and_set():
