@@ -373,6 +373,7 @@ def warn_again(records: list, frame, filename: str) -> None:
             category = None
         if not (isinstance(category, type) and issubclass(category, Warning)):
             category, message = UserWarning, f"{module}.{qualname}: {message}"
+        message = _instance(category, message, module, qualname)
         if where == filename:
             globs = frame.f_globals
         else:  # (a library's file: its module, as a warning raised there would name)
@@ -386,3 +387,19 @@ def warn_again(records: list, frame, filename: str) -> None:
             module=globs.get("__name__") if globs is not None else None,
             registry=globs.setdefault("__warningregistry__", {}) if globs is not None else None)
 
+
+def _instance(category, message: str, module: str, qualname: str) -> Warning:
+    """The warning to issue: ``category(message)``, as warnings.warn makes it from a string;
+    for a category whose ``__init__`` takes other arguments (the body passed an instance), one
+    made without calling it (its text is the message as the replica showed it)."""
+    try:
+        return category(message)
+    except Exception:  # noqa: BLE001 - an __init__ of other arguments
+        pass
+    try:
+        made = category.__new__(category, message)  # (BaseException's: args = (message,))
+        if isinstance(made, category):
+            return made
+    except Exception:  # noqa: BLE001 - a __new__ of its own
+        pass
+    return UserWarning(f"{module}.{qualname}: {message}")

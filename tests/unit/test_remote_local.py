@@ -549,3 +549,39 @@ def test_a_library_warning_of_a_local_remote_trace_is_filtered_by_its_module(
         assert run(True) == run(True, remote="local") == []
     finally:
         sys.modules.pop("noisy_lib", None)
+
+
+class _Measured(UserWarning):
+    """A warning category whose constructor takes other arguments than a message."""
+
+    def __init__(self, got, want):
+        super().__init__(f"got {got}, want {want}")
+        self.got, self.want = got, want
+
+
+def test_a_warning_category_with_its_own_init_is_issued_as_locally(seq):
+    """A body's warning whose category's ``__init__`` takes other arguments (a warning instance
+    passed to ``warnings.warn``) is issued on the client with that category, message, file and
+    line, and raised as that category under an 'error' filter, as the same body does locally
+    (warn_again raised TypeError: the category called with the message alone)."""
+    import warnings
+
+    model = NNsight(seq)
+    x = torch.randn(3, 6)
+
+    def run(action, **kw):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter(action)
+            with model.trace(x, **kw):
+                warnings.warn(_Measured(model[1].output.shape[0], 4))
+                out = model.output.save()
+        return out, [(w.category, str(w.message), w.filename, w.lineno) for w in caught]
+
+    out, local = run("always")
+    assert local == [(_Measured, "got 3, want 4", __file__, local[0][3])]
+    remote_out, remote = run("always", remote="local")
+    assert remote == local
+    torch.testing.assert_close(remote_out, out)
+    for kw in ({}, {"remote": "local"}):
+        with pytest.raises(_Measured, match="^got 3, want 4$"):
+            run("error", **kw)
