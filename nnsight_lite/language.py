@@ -210,11 +210,12 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
         return self._pipe_call
 
     def _pipe_call(self, *inputs, **kwargs):
-        if not _called_as_context(sys._getframe(1)):
-            return self.pipeline(*inputs, **kwargs)
-        if kwargs.get("remote") or kwargs.get("backend") is not None:
+        # (remote=False / backend=None, as a trace takes them, are not the pipeline's)
+        if kwargs.pop("remote", False) or kwargs.pop("backend", None) is not None:
             raise InputError("model.pipe runs here only; a remote block: `with model.generate("
                              "prompt, remote=True):`, decoding its ids with model.tokenizer")
+        if not _called_as_context(sys._getframe(1)):
+            return self.pipeline(*inputs, **kwargs)
         from .generation import Piper
 
         self.dispatch()

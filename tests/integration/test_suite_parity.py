@@ -312,3 +312,39 @@ def test_pipe_as_a_block_traces_every_forward_of_the_pipeline(model_dirs, hf, ar
     with pytest.raises(InputError, match=r"model\.pipe runs here only"):
         with model.pipe(PROMPT, remote=True, **kw):
             pass
+
+
+def test_pipe_takes_remote_false_as_generate_does(model_dirs, hf, arch):
+    """``model.pipe(prompt, remote=False)`` (nnsight code switching one REMOTE flag for every
+    trace) runs here as without it, as a block and called plainly, like ``model.generate``; it
+    passed remote=False on to the pipeline, which raised ValueError (unused model_kwargs). A
+    plain call with remote=True says a remote run is a with-block, as generate does."""
+    import warnings as _warnings
+
+    import transformers
+
+    import nnsight_lite
+    from nnsight_lite import LanguageModel
+    from nnsight_lite.errors import InputError
+
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
+        model = LanguageModel(model_dirs[arch])
+    kw = dict(max_new_tokens=3, do_sample=False)
+    plain = transformers.pipeline("text-generation", model=hf, tokenizer=model.tokenizer)
+    seen = []
+    handle = hf.lm_head.register_forward_hook(lambda m, i, o: seen.append(o[:, -1].clone()))
+    try:
+        want = plain(PROMPT, **kw)
+    finally:
+        handle.remove()
+    assert model.pipe(PROMPT, remote=False, backend=None, **kw) == want
+    with model.pipe(PROMPT, remote=False, **kw) as tracer:
+        logits = nnsight_lite.save([])
+        for step in tracer.all():
+            logits.append(model.lm_head.output[:, -1])
+    assert tracer.result == want and len(logits) == len(seen) == 3
+    for got, ref in zip(logits, seen):
+        torch.testing.assert_close(got, ref)
+    with pytest.raises(InputError, match=r"model\.pipe runs here only"):
+        model.pipe(PROMPT, remote=True, **kw)
