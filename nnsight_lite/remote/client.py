@@ -134,6 +134,10 @@ class LocalBackend(Backend):
     """
 
     local = True
+    # requests take turns, as on a replica's one serving thread: each swaps sys.stdout,
+    # sys.stderr and the warnings hooks process-wide while it runs (two at once: the later to
+    # end put back the other's capture, and the process's output went there from then on)
+    _turns = threading.RLock()
 
     def __init__(self):
         super().__init__("local")
@@ -141,7 +145,8 @@ class LocalBackend(Backend):
     def send(self, model, payload: bytes, block) -> bytes:
         from .batching import handle
 
-        return handle(model, payload, {})
+        with self._turns:
+            return handle(model, payload, {})
 
 
 def connect(address: str | None = "auto", *, name: str | None = None,

@@ -585,3 +585,69 @@ def test_a_warning_category_with_its_own_init_is_issued_as_locally(seq):
     for kw in ({}, {"remote": "local"}):
         with pytest.raises(_Measured, match="^got 3, want 4$"):
             run("error", **kw)
+
+
+def test_local_remote_traces_on_two_threads_leave_no_redirect_behind(seq, tmp_path, monkeypatch):
+    """Two threads' ``remote="local"`` traces of separate models, the second entered while the
+    first runs and ending after it: each gets its own print output and warnings, the values
+    equal the plain models', and sys.stdout, sys.stderr and warnings.showwarning are the
+    process's own afterwards (each request swapped them in turn, so the later one to end put
+    back the earlier one's capture: every later print and warning of the process went there).
+    Requests here take turns, as on a replica's one serving thread."""
+    import copy
+    import importlib
+    import io
+    import sys
+    import threading
+    import warnings
+
+    (tmp_path / "sync_s22.py").write_text(  # (a module the bodies reach by reference:
+        "import threading\n"                 # events cannot be pickled)
+        "a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sync = importlib.import_module("sync_s22")
+    models = [NNsight(seq), NNsight(copy.deepcopy(seq))]
+    x = torch.randn(3, 6)
+    results: dict = {}
+    before = (sys.stdout, sys.stderr, warnings.showwarning)
+
+    def first():
+        model = models[0]
+        with warnings.catch_warnings(record=True) as caught:
+            with model.trace(x, remote="local"):
+                sync.a_in.set()
+                sync.b_in.wait(1)  # (the second runs meanwhile where requests do not take turns)
+                print("first")
+                warnings.warn("first")
+                out = model.output.save()
+        sync.a_done.set()
+        results["first"] = out, [str(w.message) for w in caught]
+
+    def second():
+        model = models[1]
+        sync.a_in.wait(5)
+        with model.trace(x, remote="local"):
+            sync.b_in.set()
+            sync.a_done.wait(5)
+            print("second")
+            out = model.output.save()
+        results["second"] = out
+
+    out = io.StringIO()
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    try:
+        with contextlib.redirect_stdout(out):
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(20)
+        after = (sys.stdout, sys.stderr, warnings.showwarning)
+    finally:
+        sys.stdout, sys.stderr, warnings.showwarning = before
+        sys.modules.pop("sync_s22", None)
+    assert after == before
+    assert sorted(out.getvalue().split()) == ["first", "second"]
+    got, messages = results["first"]
+    assert messages == ["first"]
+    torch.testing.assert_close(got, seq(x))
+    torch.testing.assert_close(results["second"], seq(x))
