@@ -45,9 +45,12 @@ def register(module) -> None:
     except ImportError:
         raise ImportError("nnsight_lite.register needs cloudpickle: install the remote extra "
                           "(pip install 'nnsight_lite[remote]')") from None
+    from .wire import _BY_VALUE
+
     if isinstance(module, str):
         module = importlib.import_module(module)
-    cloudpickle.register_pickle_by_value(module)
+    with _BY_VALUE:  # (not while a trace being pickled sends it by value for the moment: it
+        cloudpickle.register_pickle_by_value(module)  # would take it out of the registry after)
 
 
 def __getattr__(name):  # ray is imported only when a remote feature is used

@@ -201,7 +201,7 @@ def dumps(obj, root, by_value=None) -> bytes:
     return buf.getvalue()
 
 
-_BY_VALUE = threading.Lock()
+_BY_VALUE = threading.RLock()  # (nnsight_lite.register takes it too)
 
 
 _SEND_DATA = ("Make such a value inside the block, or send data (tensors, numbers, strings, "

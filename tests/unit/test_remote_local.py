@@ -652,3 +652,55 @@ def test_local_remote_traces_on_two_threads_leave_no_redirect_behind(seq, tmp_pa
     torch.testing.assert_close(results["first"], seq(x))
     torch.testing.assert_close(results["second"], seq(x))
 
+
+class _Gate:
+    """A value whose pickling waits (up to a second) for ``go``, having set ``started``."""
+
+    def __init__(self, started, go):
+        self.started, self.go = started, go
+
+    def __reduce__(self):
+        self.started.set()
+        self.go.wait(1)
+        return int, (0,)
+
+
+def test_a_module_registered_while_another_thread_ships_stays_registered(seq):
+    """nnsight_lite.register(module) called while another thread's trace is being pickled
+    with that module sent by value for the moment (the with-statement's own module) keeps the
+    registration: the shipping thread let go of it when done, which dropped the user's."""
+    import sys
+    import threading
+
+    import cloudpickle
+
+    model = NNsight(seq)
+    x = torch.randn(3, 6)
+    started, go = threading.Event(), threading.Event()
+    gate = _Gate(started, go)
+    results = {}
+
+    def ship():
+        with model.trace(x, remote="local"):
+            g = gate  # noqa: F841 - read by the body, so pickled with it
+            out = model.output.save()
+        results["out"] = out
+
+    def register():
+        started.wait(5)
+        nnsight_lite.register(__name__)
+        go.set()
+
+    me = sys.modules[__name__]
+    assert __name__ not in cloudpickle.list_registry_pickle_by_value()
+    threads = [threading.Thread(target=ship), threading.Thread(target=register)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert __name__ in cloudpickle.list_registry_pickle_by_value()
+    finally:
+        if __name__ in cloudpickle.list_registry_pickle_by_value():
+            cloudpickle.unregister_pickle_by_value(me)
+    torch.testing.assert_close(results["out"], seq(x))
