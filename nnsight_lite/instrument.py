@@ -363,3 +363,41 @@ def _module_function(module: torch.nn.Module):
             "function, so its operations cannot be traced"
         )
     return _layers(func)[-1]
+
+
+def code_qualname(code: types.CodeType, globs: dict) -> str:
+    """``code``'s qualified name: ``co_qualname`` (3.11+); on 3.10, which has none, the same
+    name found from the functions and classes of ``globs`` whose code nests it (a decorator's
+    wrapper: ``dispatch.<locals>.wrapper``), else its plain name."""
+    name = getattr(code, "co_qualname", None)
+    return name if name is not None else _nested_name(code, globs)
+
+
+def _nested_name(code: types.CodeType, globs: dict) -> str:
+    """``code_qualname`` without ``co_qualname``: found through the code nesting it."""
+
+    def find(outer: types.CodeType, prefix: str):
+        sep = ".<locals>." if outer.co_flags & inspect.CO_OPTIMIZED else "."
+        for const in outer.co_consts:
+            if isinstance(const, types.CodeType):
+                here = prefix + sep + const.co_name
+                found = here if const is code else find(const, here)
+                if found is not None:
+                    return found
+        return None
+
+    todo, seen = list(globs.values()), set()
+    while todo:  # the module's functions, and those of its classes (nested ones too)
+        value = todo.pop()
+        if isinstance(value, type):
+            if value.__module__ == globs.get("__name__") and id(value) not in seen:
+                seen.add(id(value))
+                todo.extend(vars(value).values())
+            continue
+        inner = getattr(value, "__code__", None)  # (a wraps wrapper's __qualname__ is the
+        if isinstance(inner, types.CodeType) and not hasattr(value, "__wrapped__"):  # other's)
+            qual = getattr(value, "__qualname__", inner.co_name)
+            found = qual if inner is code else find(inner, qual)
+            if found is not None:
+                return found
+    return code.co_name

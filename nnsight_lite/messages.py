@@ -98,7 +98,7 @@ def _wrapper_ran_instead(inter, mslot) -> "str | None":
     decorator's wrapper (``functools.wraps``) whose code did not call the function ``.source``
     lists (transformers' MoE experts dispatch to ``config._experts_implementation``); else
     None."""
-    from .instrument import _function_of, _layers
+    from .instrument import _function_of, _layers, code_qualname
 
     hit = inter.sources.installed.get(mslot) if inter.sources is not None else None
     if hit is None or any(op.calls for op in hit[1].values()):
@@ -110,7 +110,7 @@ def _wrapper_ran_instead(inter, mslot) -> "str | None":
     outer = chain[0]
     module = mslot.module
     code = outer.__code__
-    name = getattr(code, "co_qualname", code.co_name)  # (the wrapper's own, not wraps')
+    name = code_qualname(code, outer.__globals__)  # (the wrapper's own, not wraps')
     why = (f"{type(module).__name__}.forward is wrapped by a decorator ({name}, "
            f"{code.co_filename}:{code.co_firstlineno}) that did not call the function it "
            "wraps in this forward (it ran other code instead), so none of that function's "

@@ -599,6 +599,41 @@ class TestCost:
         torch.testing.assert_close(r, torch.relu(x + 1))
         torch.testing.assert_close(out, torch.relu(x + 1) * 9)
 
+    @pytest.mark.skipif(sys.version_info < (3, 11), reason="co_qualname is the ground truth")
+    def test_a_wrappers_name_without_co_qualname_is_the_same(self):
+        """The error above names the wrapper by its code's qualified name; Python 3.10's code
+        objects have no co_qualname (the message then said just 'wrapper', and the test above
+        failed there): instrument's fallback finds the same name through the code nesting it,
+        for a wraps wrapper in a function, nested classes, a lambda and transformers' MoE
+        experts' forward."""
+        from transformers.models.mixtral import modeling_mixtral
+
+        from nnsight_lite.instrument import _nested_name
+
+        def dispatch(fn):
+            @functools.wraps(fn)
+            def wrapper(self, x):
+                return fn(self, x)
+            return wrapper
+
+        class Outer:
+            class Inner:
+                def forward(self):
+                    return lambda: 1
+
+            @dispatch
+            def forward(self, x):
+                return x
+
+        mixtral = modeling_mixtral.MixtralExperts.forward
+        codes = [(Outer.forward.__code__, Outer.forward.__globals__),
+                 (Outer.Inner.forward.__code__, globals()),
+                 (Outer.Inner().forward().__code__, globals()),
+                 (mixtral.__code__, mixtral.__globals__)]
+        for code, globs in codes:
+            assert _nested_name(code, globs) == code.co_qualname
+        assert "dispatch.<locals>.wrapper" in Outer.forward.__code__.co_qualname
+
     def test_a_decorator_that_did_not_call_the_forward_is_named(self, x):
         """A wraps decorator that runs other code instead of the function it wraps (as
         transformers' MoE experts dispatch on a setting): reading a listed operation says
