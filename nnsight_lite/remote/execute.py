@@ -47,6 +47,7 @@ _FRAMES_MAX = 64  # user frames an error's reply carries (the innermost; a deep 
 USER_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
 _CHAIN_MAX = 4  # exceptions an error's reply carries from its chain (raise ... from ...)
 _WARNINGS_MAX = 100  # distinct warnings a reply carries
+_KEPT_MAX = 10_000  # distinct warnings a replica keeps while a request (or batch) runs
 
 
 def compiled(source: str, filename: str):
@@ -126,15 +127,21 @@ def execute(request: dict, values: dict, *, time_limit: float | None = None, pol
 @contextlib.contextmanager
 def kept_warnings(into: list):
     """Record in ``into`` the warnings issued while the block runs, each as ``(invoke,
-    category, message, filename, line)``: every one (the client's filters decide what shows;
+    category, message, filename, line)``, once (at most ``_KEPT_MAX`` distinct ones): every
+    one, whatever the replica's filters (the client's filters decide what shows;
     see ``warning_records`` and client.warn_again); ``invoke`` is the number of the invoke
     whose body issued it (None: the model's code, outside any body)."""
     from greenlet import getcurrent
 
+    seen = set()  # (a warning in a loop: kept once, so a long request's records stay small)
+
     def keep(message, category, filename, lineno, file=None, line=None):
         body = getattr(getcurrent(), "mediator", None)
         invoke = None if body is None else body.index - len(body.interleaver.edits)
-        into.append((invoke, category, str(message), filename, lineno))
+        record = (invoke, category, str(message), filename, lineno)
+        if record not in seen and len(seen) < _KEPT_MAX:
+            seen.add(record)
+            into.append(record)
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")

@@ -704,3 +704,21 @@ def test_a_module_registered_while_another_thread_ships_stays_registered(seq):
         if __name__ in cloudpickle.list_registry_pickle_by_value():
             cloudpickle.unregister_pickle_by_value(me)
     torch.testing.assert_close(results["out"], seq(x))
+
+
+def test_a_replica_keeps_a_warning_repeated_in_a_loop_once():
+    """While a request runs, the replica keeps each distinct warning once (it kept every one
+    issued: ~90 bytes each for a warning in a long loop, until the request ended)."""
+    import warnings
+
+    from nnsight_lite.remote.execute import kept_warnings
+
+    caught: list = []
+    with kept_warnings(caught):
+        for _ in range(1000):
+            warnings.warn("same")
+        for i in range(3):
+            warnings.warn(f"other {i}", FutureWarning)
+    assert [(c, m) for _, c, m, _, _ in caught] == [
+        (UserWarning, "same"), (FutureWarning, "other 0"), (FutureWarning, "other 1"),
+        (FutureWarning, "other 2")]
