@@ -46,15 +46,23 @@ class Scope(dict):
         self._local_names = None  # (3.13+, a function's frame: see caller_scope)
         self._globals = caller_globals
         b = caller_globals.get("__builtins__", builtins)
-        cached = _bases.get((id(runtime), id(b)))
+        module = caller_globals.get("__name__")
+        if module.__class__ is not str:
+            module = None
+        key = (id(runtime), id(b), module)
+        cached = _bases.get(key)
         if cached is None or cached[0] is not runtime or cached[1] is not b or \
-                len(cached[3]) != len(runtime) + 2:
+                len(cached[3]) != len(runtime) + 2 + (module is not None):
             # the entries every body needs: builtins, and what the body rewrites call (kept for
-            # the usual builtins, which nearly every body has; never written to)
-            cached = (runtime, b, b if isinstance(b, dict) else vars(b),
-                      {"__builtins__": b, ITER_END_NAME: IterationEnd, **runtime})
+            # the usual builtins, which nearly every body has; never written to), and the
+            # caller's module name: a class statement in the body takes its __module__ from
+            # the globals dict itself (LOAD_NAME does not ask __missing__), else from builtins
+            base = {"__builtins__": b, ITER_END_NAME: IterationEnd, **runtime}
+            if module is not None:
+                base["__name__"] = module
+            cached = (runtime, b, b if isinstance(b, dict) else vars(b), base)
             if b is builtins or b is _BUILTINS:
-                _bases[(id(runtime), id(b))] = cached
+                _bases[key] = cached
         self._builtins = cached[2]
         self._base = cached[3]
         dict.update(self, cached[3])
@@ -136,7 +144,8 @@ class Scope(dict):
                 yield k, v
 
 
-#: (id(runtime), id(builtins)) -> (runtime, builtins, builtins as a dict, base entries) for the usual builtins
+#: (id(runtime), id(builtins), module name) -> (runtime, builtins, builtins as a dict, base
+#: entries) for the usual builtins
 _bases: dict = {}
 _BUILTINS = vars(builtins)
 
@@ -151,7 +160,7 @@ def _get(mapping, name):
         return _ABSENT
 
 
-_INTERNAL = frozenset({"__builtins__", ITER_END_NAME, SAVE_NAME, GRAD_NAME, SET_GRAD_NAME,
+_INTERNAL = frozenset({"__builtins__", "__name__", ITER_END_NAME, SAVE_NAME, GRAD_NAME, SET_GRAD_NAME,
                        INLINE_NAME, NAME_NAME, ITER_BLOCK_NAME})
 
 

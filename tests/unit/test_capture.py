@@ -136,6 +136,30 @@ class TestPlacesABodyCanSit:
         assert Probe.count == 2 and Probe.Inner.kk == 4
         torch.testing.assert_close(Probe().ones(), torch.ones(3))
 
+    def test_a_class_made_in_a_body_belongs_to_the_callers_module(self, model, seq):
+        """A class (a dataclass too) made in a body has the __module__ the same statement
+        gives it outside the body: the caller's module (it was 'builtins': the class statement
+        reads __name__ from the globals dict itself, which never asks the caller's names), so
+        its repr, pickling by reference and dataclass machinery see the right module."""
+        import dataclasses
+
+        class Outside:
+            pass
+
+        with model.trace(torch.randn(2, 6)):
+
+            @dataclasses.dataclass
+            class Record:
+                rows: int
+
+            class Plain:
+                pass
+
+            got = nnsight_lite.save((Record.__module__, Plain.__module__, repr(Record(2))))
+            name = nnsight_lite.save(__name__)
+        assert got[:2] == (Outside.__module__, Outside.__module__) == (__name__, __name__)
+        assert name == __name__ and got[2].endswith("Record(rows=2)")
+
     def test_class_body(self, model, seq):
         x = torch.randn(2, 6)
 
