@@ -259,15 +259,7 @@ class Piper(Generator):
         self._pipe_inputs = ()
 
     def _run_attached(self, scope):
-        from .context import body_job
-        from .interleaver import Interleaver
-        from .sessions import _add_edits
-
-        model = self._model
-        inter = Interleaver(model._module, 1, model.__dict__)
-        made = _add_edits(inter, model) if model._edits else []
-        inter.add(body_job(self._body.code, scope), None, scope)
-        self._interleave(inter, made, (), {})
+        self._run_own_body(scope, 1, (), {})  # (the pipeline gets its own inputs: _forward)
 
     def _forward(self, inter, args: tuple, kwargs: dict):
         out = self._model.pipeline(*self._pipe_inputs, **self._gen_kwargs)

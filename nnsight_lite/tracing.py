@@ -258,10 +258,7 @@ class Tracer(BodyContext):
         if self._args or self._kwargs:  # the usual trace: one invoke, the trace's own body
             args, kwargs, sizes = model._batch_inputs(
                 [model._prepare_inputs(*self._args, **self._kwargs)])
-            inter = Interleaver(model._module, sum(sizes), model.__dict__)
-            made = _add_edits(inter, model) if model._edits else []
-            inter.add(body_job(self._body.code, scope), None, scope)
-            return self._interleave(inter, made, args, kwargs)
+            return self._run_own_body(scope, sum(sizes), args, kwargs)
         self._collecting = True
         _collecting.depth = getattr(_collecting, "depth", 0) + 1
         try:
@@ -317,6 +314,15 @@ class Tracer(BodyContext):
         made = _add_edits(inter, model) if model._edits else []
         add_invokes(inter, invokes, sizes, scope, made)
         self._interleave(inter, made, args, kwargs)
+
+    def _run_own_body(self, scope, total: int, args: tuple, kwargs: dict):
+        """Run the trace's own body, over the whole batch of ``total`` rows, with the model's
+        persistent edits, on the forward of ``args``/``kwargs``."""
+        model = self._model
+        inter = Interleaver(model._module, total, model.__dict__)
+        made = _add_edits(inter, model) if model._edits else []
+        inter.add(body_job(self._body.code, scope), None, scope)
+        return self._interleave(inter, made, args, kwargs)
 
     def _call_kwargs(self) -> dict:
         """The keywords of the call itself that an invoke's keyword of the same name yields
