@@ -341,18 +341,29 @@ def _user_frames(exc: BaseException, frames):
     return tb
 
 
-def _same_type(error: dict, message: str) -> BaseException:
-    import builtins
+def _class_named(module: str, qualname: str):
+    """The object at ``module``'s ``qualname`` in this process (a class sent by name), or None
+    where the module cannot be imported or has no such name."""
     import importlib
 
     try:
-        cls = importlib.import_module(error["module"])
-        for part in error["qualname"].split("."):
-            cls = getattr(cls, part)
-        if isinstance(cls, type) and issubclass(cls, BaseException):
+        found = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except Exception:  # noqa: BLE001 - a class this side does not have
+        return None
+    return found
+
+
+def _same_type(error: dict, message: str) -> BaseException:
+    import builtins
+
+    cls = _class_named(error["module"], error["qualname"])
+    if isinstance(cls, type) and issubclass(cls, BaseException):
+        try:
             return cls(message)
-    except Exception:  # noqa: BLE001
-        pass
+        except Exception:  # noqa: BLE001
+            pass
     base = getattr(builtins, error["qualname"], None)
     if isinstance(base, type) and issubclass(base, Exception):
         return base(message)
@@ -364,18 +375,11 @@ def warn_again(records: list, frame, filename: str) -> None:
     process's filters, as if raised where they were: the body's at the user's line, in the
     with-statement's module. A category this side cannot import arrives as a UserWarning that
     names it."""
-    import importlib
     import warnings
 
     files = None  # a module's file -> its globals, made at the first library warning
     for module, qualname, message, where, line in records:
-        category = None
-        try:
-            category = importlib.import_module(module)
-            for part in qualname.split("."):
-                category = getattr(category, part)
-        except Exception:  # noqa: BLE001 - a class the client does not have
-            category = None
+        category = _class_named(module, qualname)
         if not (isinstance(category, type) and issubclass(category, Warning)):
             category, message = UserWarning, f"{module}.{qualname}: {message}"
         message = _instance(category, message, module, qualname)
