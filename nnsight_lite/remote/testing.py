@@ -2,6 +2,7 @@
 
     mlp()          NNsight of a 3-layer MLP (seeded: every process builds the same weights)
     save_tiny_gpt2(dir)   a 2-layer GPT-2 from a config + a character tokenizer, saved to dir
+    save_tiny(m, tok, dir)  a tiny model's matrices spread wider, saved with its tokenizer
 """
 
 from __future__ import annotations
@@ -32,14 +33,20 @@ def save_tiny_gpt2(directory, seed: int = 0) -> str:
                         bos_token_id=0, eos_token_id=0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        net = GPT2LMHeadModel(config).eval()
-        with torch.no_grad():
-            for p in net.parameters():
-                if p.dim() == 2:
-                    p.normal_(0, 0.3)
-    net.save_pretrained(directory)
-    tok.save_pretrained(directory)
+        save_tiny(GPT2LMHeadModel(config).eval(), tok, directory)
     return str(directory)
+
+
+def save_tiny(model, tok, directory) -> None:
+    """Save a tiny model made from a config, and its tokenizer, in ``directory``: its matrices
+    drawn larger than the init's first (from the global generator), which makes the tiny
+    models' predictions less uniform."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
 
 
 def char_tokenizer():

@@ -10,6 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from nnsight_lite.remote.testing import save_tiny  # noqa: E402 (test_seq2seq imports it here)
+
 WORDS = (
     "the eiffel tower is in city of paris colosseum rome when mary and john went to store "
     "gave a drink hello world hi big small red blue dog cat sat on mat"
@@ -59,17 +61,6 @@ def model_dirs(tmp_path_factory):
         save_tiny(model, tok, d)
         dirs[arch] = d
     return dirs
-
-
-def save_tiny(model, tok, d) -> None:
-    """Save a tiny model made from a config, and its tokenizer, in ``d``: its matrices drawn
-    larger than the init's first, which makes the tiny models' predictions less uniform."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
 
 
 @pytest.fixture(params=["gpt2", "llama"])
