@@ -276,9 +276,9 @@ class Envoy(ModuleFirst, Containers):
 
     def _load_first(self, method: "str | None" = None) -> bool:
         """Load the model's weights now if it defers them and ``method`` (None: an attribute
-        set, or this module traced on its own) needs them (a ``LanguageModel`` still on the meta device: loading builds a new
-        module tree, which would drop a change made to the placeholder, silently); True if they
-        were loaded, so this Envoy's module is new."""
+        set, or this module traced on its own) needs them (a ``LanguageModel`` still on the
+        meta device: loading builds a new module tree, which would drop a change made to the
+        placeholder, silently); True if they were loaded, so this Envoy's module is new."""
         root = self._top()
         load = getattr(type(root), "_load_deferred", None)
         return load is not None and load(root, method)
