@@ -12,7 +12,9 @@
     note_reshaped(exc, r)  an error the model's forward raised after such replacements gets a
                            note naming each (the module path, the invoke, the user's line)
     note_scope_limits(exc, frame)  a body's error from it not being the caller's code (a bare
-                           super(), ``del`` of a caller's name) gets a note saying what to write
+                           super(), ``del`` of a caller's name) gets a note saying what to write;
+                           autograd's "modified by an inplace operation" one saying how to set a
+                           value instead of editing the model's tensor in place
 
 An error in a body travels: the body's frames, the worker greenlet that ran it, the model's
 forward that handed it a value, the interleaver, the ``with`` statement's ``__exit__``. Of
@@ -144,6 +146,17 @@ def note_scope_limits(exc: BaseException, frame) -> None:
                   f"unbind it. Write `del {exc.name}` after the block.")
     elif type(exc) is NameError and getattr(exc, "name", None):
         _note_unsaved(exc, frame)
+    elif type(exc) is RuntimeError and _INPLACE in str(exc):
+        _note(exc, "nnsight_lite: autograd saved that tensor for the backward pass, and it was "
+              "changed in place after the forward used it. In a trace that is usually a body's "
+              "in-place edit of a module's value (`model.layer.output[:] = 0`, "
+              "`model.layer.output[0][:, -1] += v`): the edit changes the model's own tensor. Set "
+              "a new value instead, which leaves that tensor as autograd saved it: "
+              "`model.layer.output = torch.zeros_like(model.layer.output)`, or edit a clone "
+              "(`h = model.layer.output.clone(); h[:, -1] += v; model.layer.output = h`).")
+
+
+_INPLACE = "modified by an inplace operation"  # autograd's message for a changed saved tensor
 
 
 def _note_unsaved(exc: NameError, frame) -> None:

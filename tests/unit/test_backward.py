@@ -802,3 +802,70 @@ class TestNoneGradient:
                      "<string>", "exec"), ns)
         assert ns["g1"] is None
         assert torch.equal(ns["g3"], g3_ref)
+
+
+class TestInPlaceEditBeforeBackward:
+    """A body's in-place edit of an output that the model's backward needs (a Tanh's: its
+    gradient is computed from its output) makes autograd raise its "modified by an inplace
+    operation" RuntimeError; it stays torch's error, with a note saying to set a new value
+    instead, and that way gives the gradient a hook replacing the value gives."""
+
+    @staticmethod
+    def _net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+    @pytest.mark.parametrize("with_block", [True, False])
+    def test_the_error_gets_a_note_saying_to_set_a_value(self, with_block):
+        net = self._net()
+        model = NNsight(net)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as err:
+            with model.trace(torch.randn(2, 6)):
+                h = model[0].output
+                model[1].output[:, 0] = 0
+                loss = model.output.sum()
+                if with_block:
+                    with loss.backward():
+                        g = h.grad.save()  # noqa: F841
+                else:
+                    loss.backward()
+        assert type(err.value) is RuntimeError  # torch's own, not reworded
+        notes = getattr(err.value, "__notes__", [])
+        said = [n for n in notes if "Set a new value instead" in n]
+        assert len(said) == 1 and "model.layer.output = h" in said[0], notes
+        x = torch.randn(2, 6)
+        torch.testing.assert_close(model(x), net(x))  # nothing left on the model
+
+    def test_setting_an_edited_clone_gives_the_hooks_gradient(self):
+        net = self._net()
+        model = NNsight(net)
+        x = torch.randn(2, 6)
+        with model.trace(x):
+            h0 = model[0].output
+            h = model[1].output.clone()
+            h[:, 0] = 0
+            model[1].output = h
+            with model.output.sum().backward():
+                g = h0.grad.save()
+
+        def zero_first(module, args, out):
+            out = out.clone()
+            out[:, 0] = 0
+            return out
+
+        handle = net[1].register_forward_hook(zero_first)
+        try:
+            ref = net[0](x)
+            ref.retain_grad()
+            net[2](net[1](ref)).sum().backward()
+        finally:
+            handle.remove()
+        torch.testing.assert_close(g, ref.grad)
+
+    def test_other_runtime_errors_get_no_such_note(self, seq):
+        model = NNsight(seq)
+        with pytest.raises(RuntimeError) as err:
+            with model.trace(torch.randn(2, 6)):
+                with model.output.sum().backward(gradient=torch.zeros(3, 3)):
+                    pass
+        assert not any("Set a new value" in n for n in getattr(err.value, "__notes__", []))
