@@ -53,6 +53,7 @@ from .errors import (
 from .language import Generator, LanguageModel
 from .model import NNsight
 from .modeling.transformers import TransformersModel
+from .modeling.vlm import VisionLanguageModel
 from .remote import register
 from .tracing import Invoker, Tracer
 
@@ -68,6 +69,7 @@ __all__ = [
     "NNsight",
     "LanguageModel",
     "TransformersModel",
+    "VisionLanguageModel",
     "Generator",
     "Envoy",
     "Tracer",

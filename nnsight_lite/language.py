@@ -35,7 +35,7 @@ import sys
 
 import torch
 
-from . import prompts
+from . import processors, prompts
 from .envoy import Envoy
 from .envoy_names import _module_first
 from .errors import InputError
@@ -47,7 +47,8 @@ from .remote.hook import take_backend, wants_remote
 from .tracing import Tracer
 from .with_calls import _called_as_context
 
-_PROMPT_KWARGS = frozenset({"input_ids", "inputs_embeds"})  # (a mask alone is no prompt)
+# (a mask alone is no prompt; media go to the processor with the prompt, or are one)
+_PROMPT_KWARGS = frozenset({"input_ids", "inputs_embeds"}) | processors.MEDIA_KWARGS
 
 
 def _keywords_only(call: str, inputs: tuple, kwargs: dict) -> bool:
@@ -99,8 +100,13 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
       nnsight takes it): the device the loaded model is moved to.
     - ``tokenizer_kwargs``: passed to ``AutoTokenizer.from_pretrained``; with ``tokenizer``
       given, set as its attributes (``{"padding_side": "right"}``), as nnsight 0.8 does.
-    - ``task``: nnsight 0.8's way to pick the model class; ``"text-generation"`` (the
-      default) only, since this class loads causal LMs.
+    - ``task``: nnsight 0.8's way to pick the model class: a pipeline task of transformers
+      (``"text-generation"``, the default; ``"text-classification"``, ``"fill-mask"``...)
+      loads with that task's auto class; a task whose inputs are not text alone
+      (``"image-text-to-text"``) loads the checkpoint's processor too, and invokes take
+      ``images=`` (``videos=``, ``audio=``; the prompt also as ``text=``) through it.
+    - ``processor``: a processor to use instead of loading one (its tokenizer is the model's
+      unless ``tokenizer`` is given).
     - ``automodel``: the class to load with (default ``AutoModelForCausalLM``): an auto class
       (``AutoModelForSeq2SeqLM``, ``AutoModel``), a model class (``LlamaForCausalLM``) or the
       name of either in ``transformers`` (``automodel="AutoModelForSeq2SeqLM"``, as in nnsight).
@@ -114,14 +120,17 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
 
     def __init__(self, model, *, tokenizer=None, dispatch: bool = False, automodel=None,
                  tokenizer_kwargs: dict | None = None, rename: dict | None = None,
-                 envoys: dict | None = None, task: str | None = None, **kwargs):
-        if task not in (None, "text-generation"):
-            raise ValueError(
-                f"{type(self).__name__}(..., task={task!r}): nnsight_lite wraps causal language "
-                "models only (task='text-generation'); load another kind of model with "
-                "transformers yourself and wrap it with NNsight(model)"
-            )
+                 envoys: dict | None = None, task: str | None = None, processor=None, **kwargs):
         d = self.__dict__
+        d["_task"] = task
+        if task not in (None, "text-generation") and automodel is None:
+            automodel = processors.task_class(task)  # (its auto class; ValueError if unknown)
+        if processor is None and isinstance(model, (str, os.PathLike)) and \
+                processors.takes_processor(task):
+            processor = processors.load_processor(os.fspath(model), tokenizer_kwargs)
+        d["_processor"] = processor
+        if tokenizer is None and processor is not None:
+            tokenizer = getattr(processor, "tokenizer", None)
         if tokenizer is not None:
             if getattr(tokenizer, "padding_side", "left") != "left":
                 tokenizer.padding_side = "left"  # as nnsight does to a tokenizer it is given
@@ -172,6 +181,12 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
         return self._tokenizer
 
     @property
+    def processor(self):
+        """The processor of a model loaded for a task that takes more than text
+        (``task="image-text-to-text"``) or given one (``processor=``); else None."""
+        return self.__dict__.get("_processor")
+
+    @property
     def generator(self) -> Envoy:
         """``model.generator.output``: the ids ``generate`` returns, readable in its body once
         generation is over (after the body's step loop)."""
@@ -179,16 +194,20 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
 
     @_module_first
     def pipeline(self):
-        """The Hugging Face text-generation pipeline over this model and its tokenizer (made
-        once per module; the weights load first), as nnsight 0.8's ``model.pipeline``."""
+        """The Hugging Face pipeline of the model's task (text-generation unless loaded with
+        another ``task=``) over this model and its tokenizer (and processor, where it has one),
+        made once per module; the weights load first. nnsight 0.8's ``model.pipeline``."""
         self.dispatch()
         d = self.__dict__
         made = d.get("_pipe")
         if made is None or made[0] is not self._module:
             from transformers import pipeline
 
+            parts = {"tokenizer": self.tokenizer}
+            if self.processor is not None:
+                parts["processor"] = self.processor
             made = d["_pipe"] = (self._module, pipeline(
-                "text-generation", model=self._module, tokenizer=self.tokenizer))
+                d.get("_task") or "text-generation", model=self._module, **parts))
         return made[1]
 
     @_module_first
@@ -294,8 +313,8 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
         # (input_ids=..., attention_mask=...: the prompt, as `generate(**tokenizer(...))` gives it)
         tok, gen = {}, {}
         for k, v in kwargs.items():
-            (tok if k in prompts.INPUT_KWARGS or k in prompts.TOKENIZER_KWARGS and
-             k != "max_length" else gen)[k] = v
+            (tok if k in prompts.INPUT_KWARGS or k in processors.MEDIA_KWARGS or
+             k in prompts.TOKENIZER_KWARGS and k != "max_length" else gen)[k] = v
         prompts.drop_none_mask(tok)
         if "attention_mask" in tok and not inputs and tok.keys().isdisjoint(_PROMPT_KWARGS):
             gen["attention_mask"] = tok.pop("attention_mask")  # (the invokes' batch's mask)

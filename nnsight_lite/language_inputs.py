@@ -32,13 +32,18 @@ import weakref
 import torch
 
 from . import prompts
+from .processors import MEDIA_KWARGS, processed
 
 
 class LanguageInputs:
     """Prompts to a batch for a ``LanguageModel`` (a mixin: see the module's docstring)."""
 
     def _prepare_inputs(self, *args, **kwargs):
-        """One invoke's prompt as ``((), {"input_ids", "attention_mask", ...}, rows)``."""
+        """One invoke's prompt as ``((), {"input_ids", "attention_mask", ...}, rows)``; given
+        media keywords (``images=``...), the processor's encoding of the prompt and media."""
+        if kwargs and not MEDIA_KWARGS.isdisjoint(kwargs):
+            args, kwargs = processed(self.__dict__.get("_processor"), args, kwargs,
+                                     prompts.TOKENIZER_KWARGS)
         return prompts.prepare(self.tokenizer, args, kwargs)
 
     def _batch_inputs(self, prepared: list):

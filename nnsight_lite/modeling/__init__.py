@@ -5,8 +5,9 @@ import LanguageModel`` runs with ``nnsight`` changed to ``nnsight_lite``.
     language.LanguageModel          a Hugging Face causal LM and its tokenizer
     transformers.TransformersModel  nnsight 0.8's name for the Hugging Face wrapper
     transformers.WrapperModule      an identity module: a value routed through it is an .output
+    vlm.VisionLanguageModel         the older name of TransformersModel(task="image-text-to-text")
 """
 
-from . import base, language, transformers  # (attributes after ``import nnsight_lite``)
+from . import base, language, transformers, vlm  # (attributes after ``import nnsight_lite``)
 
-__all__ = ["base", "language", "transformers"]
+__all__ = ["base", "language", "transformers", "vlm"]

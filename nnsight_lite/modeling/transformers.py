@@ -11,9 +11,9 @@ from ..language import LanguageModel
 
 class TransformersModel(LanguageModel):
     """nnsight 0.8's name for a wrapped Hugging Face model (``from nnsight import
-    TransformersModel``). Here it is :class:`nnsight_lite.LanguageModel`: a causal LM and its
-    tokenizer, loaded with ``AutoModelForCausalLM`` unless ``automodel=`` names another auto
-    class; ``.trace``, ``.generate`` and everything else are the same.
+    TransformersModel``). Here it is :class:`nnsight_lite.LanguageModel`: a model and its
+    tokenizer, loaded with ``AutoModelForCausalLM`` unless ``task=`` or ``automodel=`` names
+    another class; ``.trace``, ``.generate`` and everything else are the same.
 
     Example::
 
@@ -21,9 +21,10 @@ class TransformersModel(LanguageModel):
         with model.trace("The Eiffel Tower is in the city of"):
             logits = model.output.logits.save()
 
-    ``task=`` (0.8's way to pick the model class) may be ``"text-generation"`` (the default);
-    another task raises ``ValueError``, since this class loads causal LMs only (as
-    ``LanguageModel`` does).
+    ``task=`` (0.8's way to pick the model class): ``"text-generation"`` (the default) or
+    another pipeline task of transformers, loaded with that task's auto class; a task whose
+    inputs are not text alone (``"image-text-to-text"``) loads the processor too, and invokes
+    take ``images=`` (processors.py).
     """
 
 

@@ -3,6 +3,7 @@
     mlp()          NNsight of a 3-layer MLP (seeded: every process builds the same weights)
     save_tiny_gpt2(dir)   a 2-layer GPT-2 from a config + a character tokenizer, saved to dir
     save_tiny(m, tok, dir)  a tiny model's matrices spread wider, saved with its tokenizer
+    save_tiny_llava(dir)  a 2-layer LLaVA (CLIP vision tower, Llama text model) + its processor
 """
 
 from __future__ import annotations
@@ -47,6 +48,35 @@ def save_tiny(model, tok, directory) -> None:
                 p.normal_(0, 0.3)
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
+
+
+def save_tiny_llava(directory, seed: int = 0) -> str:
+    """Save a tiny LLaVA (a 2-layer CLIP vision tower on 28 x 28 images, 14-pixel patches: 4
+    image tokens; a 2-layer Llama) and its processor (a CLIP image processor, the character
+    tokenizer with an ``<image>`` token) to ``directory``; open it with
+    ``TransformersModel(directory, task="image-text-to-text")``. Needs Pillow."""
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14,
+                               vision_feature_select_strategy="default", image_token="<image>",
+                               num_additional_image_tokens=1)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, image_size=28, patch_size=14)
+    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                       max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
+                       pad_token_id=0)
+    config = LlavaConfig(vision_config=vision, text_config=text,
+                         image_token_index=tok.convert_tokens_to_ids("<image>"),
+                         vision_feature_select_strategy="default")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        save_tiny(LlavaForConditionalGeneration(config).eval(), processor, directory)
+    return str(directory)
 
 
 def char_tokenizer():

@@ -124,7 +124,7 @@ def test_nnsight_08_names_and_module_paths(model_dirs, hf, arch):
         _warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
         model = TransformersModel(model_dirs[arch], task="text-generation", dispatch=True)
     assert isinstance(model, LanguageModel)
-    with pytest.raises(ValueError, match="causal language models only"):
+    with pytest.raises(ValueError, match="AutoModelForImageClassification"):
         TransformersModel(model_dirs[arch], task="image-classification")
     enc = model.tokenizer(PROMPT, return_tensors="pt")
     with model.trace(PROMPT):
@@ -157,7 +157,7 @@ def test_device_and_task_keywords_of_nnsight_08(model_dirs, hf, arch):
         if want is None:
             want = hf(**enc).logits
         torch.testing.assert_close(logits, want)
-    with pytest.raises(ValueError, match="causal language models only"):
+    with pytest.raises(ValueError, match="AutoModelForImageClassification"):
         LanguageModel(model_dirs[arch], task="image-classification")
 
 

@@ -1,0 +1,106 @@
+"""Models that take more than text: ``task=`` and the processor of an image-text model.
+
+    task_class(task)        the ``transformers`` auto class a pipeline task loads (its registry)
+    takes_processor(task)   whether that task's inputs go through a processor (images, audio...)
+    load_processor(source)  ``AutoProcessor.from_pretrained``, its tokenizer padding on the left
+    processed(proc, ...)    an invoke's prompt and media keywords (``images=``, ``text=``...) as
+                            the processor's encoding, for prompts.prepare to take as a dict prompt
+
+``TransformersModel(path, task="image-text-to-text")`` (nnsight 0.8's way; its older
+``VisionLanguageModel`` is modeling/vlm.py's alias) loads the model with the task's auto class
+and a processor; an invoke given ``images=`` (``videos=``, ``audio=``, or the prompt as
+``text=``) runs the processor over its prompt and media, and the encoding (``input_ids``,
+``attention_mask``, ``pixel_values``, ...) is the invoke's input, batched with the other
+invokes' like any encoding passed in (``model.trace(model.processor(...))``).
+"""
+
+from __future__ import annotations
+
+from .errors import InputError
+
+#: An invoke's keywords that are the processor's input, not the forward's or generate's.
+MEDIA_KWARGS = frozenset({"text", "images", "videos", "audio", "audios"})
+_TEXT_TASKS = ("text-generation",)  # (the default: AutoModelForCausalLM, a tokenizer)
+
+
+def _task(task: str):
+    """``(its name, its registry entry)`` for a pipeline task of ``transformers``."""
+    from transformers.pipelines import check_task
+
+    try:
+        name, entry, _ = check_task(task)
+    except (KeyError, ValueError) as err:  # (an unknown or removed task: transformers says which)
+        raise ValueError(f"task={task!r}: {err.args[0] if err.args else err}") from None
+    return name, entry
+
+
+def task_class(task: str, config=None):
+    """The auto class ``task`` loads models with (``"text-classification"``:
+    ``AutoModelForSequenceClassification``); of several (speech recognition's), the first that
+    knows ``config``'s model type."""
+    name, entry = _task(task)
+    classes = entry.get("pt") or ()
+    if not classes:
+        raise ValueError(f"task={task!r} names no PyTorch model class in transformers")
+    if config is not None:
+        for cls in classes:
+            if type(config) in getattr(cls, "_model_mapping", {}):
+                return cls
+    return classes[0]
+
+
+def takes_processor(task: "str | None") -> bool:
+    """Whether ``task``'s inputs are not text alone (its registry type is not ``"text"``)."""
+    if task is None or task in _TEXT_TASKS:
+        return False
+    return _task(task)[1].get("type") != "text"
+
+
+def load_processor(source: str, kwargs: "dict | None" = None):
+    """``AutoProcessor.from_pretrained(source)``, its tokenizer padding on the left (a batch
+    keeps each prompt's last token at ``[:, -1]``, as the tokenizers LanguageModel loads do)."""
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(source, **(kwargs or {}))
+    tok = getattr(proc, "tokenizer", None)
+    if tok is not None and getattr(tok, "padding_side", "left") != "left":
+        tok.padding_side = "left"
+    return proc
+
+
+def processed(proc, args: tuple, kwargs: dict, tokenizer_kwargs) -> "tuple[tuple, dict]":
+    """``(args, kwargs)`` of an invoke given media keywords, with its prompt and media replaced
+    by the processor's encoding of them (as one dict prompt); the other keywords stay for the
+    forward (or ``generate``). Tokenizer options (``max_length``, ...) go to the processor."""
+    kwargs = dict(kwargs)
+    text = kwargs.pop("text", None)
+    if args and text is not None:
+        raise InputError("got the prompt both positionally and as text=...; pass only one of them")
+    if len(args) > 1:
+        raise InputError(
+            f"an invoke takes one prompt (or one list of prompts) with its media, got {len(args)} "
+            "positional inputs"
+        )
+    if proc is None:
+        media = sorted(k for k in kwargs if k in MEDIA_KWARGS)
+        raise InputError(
+            f"this model has no processor for {media}: load it with the task that takes them "
+            "(TransformersModel(path, task='image-text-to-text')) or give one "
+            "(processor=AutoProcessor.from_pretrained(path))"
+        )
+    prompt = args[0] if args else text
+    if prompt is not None and not isinstance(prompt, (str, list, tuple)):
+        raise InputError(
+            f"with media (images=, ...) the prompt goes to the processor as text: a string or a "
+            f"list of strings, got {type(prompt).__name__}; to pass an encoding you made, give it "
+            "alone: model.trace(model.processor(text=..., images=..., return_tensors='pt'))"
+        )
+    call = {k: kwargs.pop(k) for k in list(kwargs) if k in MEDIA_KWARGS}
+    call.update({k: kwargs.pop(k) for k in list(kwargs) if k in tokenizer_kwargs})
+    if isinstance(prompt, (list, tuple)) and len(prompt) > 1:
+        call.setdefault("padding", True)  # several prompts: one batch, padded on the left
+    enc = proc(text=prompt, return_tensors="pt", **call)
+    return (dict(enc),), kwargs
+
+
+__all__ = ["MEDIA_KWARGS", "task_class", "takes_processor", "load_processor", "processed"]
