@@ -90,11 +90,31 @@ class LanguageInputs:
         if hit is not None and hit[0] is cls:
             return hit[1]
         try:
-            takes = "position_ids" in inspect.signature(cls.forward).parameters
+            params = inspect.signature(cls.forward).parameters
         except (TypeError, ValueError):
-            takes = False
+            params = {}
+        # (a multimodal-RoPE model, Qwen2-VL's kind, works its 3-D positions out of the mask
+        # and the image grid itself: plain ones would place the image tokens wrong)
+        takes = "position_ids" in params and not _multimodal_rope(self._module)
         self.__dict__["_pos_hit"] = (cls, takes)
         return takes
+
+
+def _multimodal_rope(module) -> bool:
+    """Whether the model's rotary embedding is multimodal (M-RoPE: Qwen2-VL and its kind),
+    by its config's rope parameters (``mrope_section``)."""
+    config = getattr(module, "config", None)
+    configs = [config]
+    try:
+        configs.append(config.get_text_config())
+    except AttributeError:
+        pass
+    for c in configs:
+        for name in ("rope_parameters", "rope_scaling"):
+            rope = getattr(c, name, None)
+            if isinstance(rope, dict) and "mrope_section" in rope:
+                return True
+    return False
 
 
 def _path_refs(root: torch.nn.Module, target) -> "tuple | None":

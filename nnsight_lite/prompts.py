@@ -291,8 +291,8 @@ def batch(prepared: list, tokenizer, vocab: int | None, position_ids: bool):
         pad, on = _pad_id(tokenizer), side(tokenizer)
         ids = torch.cat([pad_to(k["input_ids"], width, pad, on) for k in kws])
         mask = torch.cat([pad_to(_mask_of(k), width, 0, on) for k in kws])
-        rest = [((), {n: v for n, v in k.items() if n not in ("input_ids", "attention_mask")})
-                for k in kws]
+        rest = [((), {n: _pad_per_token(n, v, k["input_ids"], width, on) for n, v in k.items()
+                      if n not in ("input_ids", "attention_mask")}) for k in kws]
         _, kwargs, _ = concat_inputs(rest, sizes)
         kwargs = {"input_ids": ids, "attention_mask": mask, **kwargs}
     if full:
@@ -335,6 +335,15 @@ def _with_position_ids(kwargs: dict, position_ids: bool) -> dict:
         pos = torch.arange(mask.shape[-1], device=mask.device).expand(mask.shape)
         kwargs["position_ids"] = (pos - lead).clamp(min=0)
     return kwargs
+
+
+def _pad_per_token(name: str, value, ids: torch.Tensor, width: int, on: str):
+    """An invoke's other input padded like its ids where it has a value per token (its first
+    two dimensions are the ids': ``token_type_ids``, ``mm_token_type_ids``, ``labels``),
+    with 0 (``labels``: -100, which losses ignore); anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == ids.shape:
+        return pad_to(value, width, -100 if name == "labels" else 0, on)
+    return value
 
 
 def _mask_of(kw: dict) -> torch.Tensor:

@@ -1776,3 +1776,44 @@ def test_a_right_padding_tokenizer_pads_prompts_and_invokes_on_the_right(model_d
         assert torch.equal(ids, enc["input_ids"]), kind
         for row, want in enumerate(alone):
             torch.testing.assert_close(logits[row, :len(want)], want, atol=1e-4, rtol=1e-4)
+
+
+def test_per_token_inputs_of_encodings_are_padded_with_the_ids(model_dirs):
+    """Invokes given encodings of different lengths with other per-token inputs (GPT-2's
+    ``token_type_ids``; ``labels``): those are padded like the ids, so each invoke gets the
+    plain model's logits on its own encoding, and ``labels`` padded with -100 leave the loss
+    the plain one on the batch so padded. Before: BatchingError (their shapes differ)."""
+    from nnsight_lite import LanguageModel
+    from nnsight_lite.padding import pad_to
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dirs["gpt2"]).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
+        lm = LanguageModel(model_dirs["gpt2"], dispatch=True)
+    encs = []
+    for text in ("hello world", "the eiffel tower is in the city of"):
+        enc = dict(lm.tokenizer(text, return_tensors="pt"))
+        enc["token_type_ids"] = torch.arange(enc["input_ids"].shape[1]).remainder(2)[None]
+        enc["labels"] = enc["input_ids"].clone()
+        encs.append(enc)
+    with lm.trace() as tracer:
+        with tracer.invoke(encs[0]):
+            short = lm.output.logits.save()
+        with tracer.invoke(encs[1]):
+            long = lm.output.logits.save()
+        with tracer.invoke():  # (no input: the whole batch)
+            loss = lm.output.loss.save()
+    width = encs[1]["input_ids"].shape[1]
+    n = encs[0]["input_ids"].shape[1]
+    with torch.no_grad():
+        ref_short = hf(**{k: v for k, v in encs[0].items() if k != "labels"}).logits
+        ref_long = hf(**{k: v for k, v in encs[1].items() if k != "labels"}).logits
+        padded = {k: torch.cat([pad_to(encs[0][k], width, v, "left"), encs[1][k]])
+                  for k, v in (("input_ids", lm.tokenizer.pad_token_id), ("attention_mask", 0),
+                               ("token_type_ids", 0), ("labels", -100))}
+        # (positions counted from each row's first token, as the batch's are)
+        padded["position_ids"] = (padded["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        ref_loss = hf(**padded).loss
+    torch.testing.assert_close(short[:, -n:], ref_short, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(long, ref_long, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)

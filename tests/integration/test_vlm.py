@@ -236,3 +236,69 @@ def test_a_dropped_image_text_model_is_freed(llava_dir):
             assert [r() for r in refs] == [None] * 3
     finally:
         gc.enable()
+
+
+def _tiny_qwen2_vl():
+    """A tiny Qwen2-VL (multimodal RoPE) from a config, its image processor and tokenizer (its
+    processor needs torchvision for videos: encodings are made here as it makes them)."""
+    from nnsight_lite.remote.testing import char_tokenizer
+
+    special = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": special})
+    start, end, pad, video = tok.convert_tokens_to_ids(special)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        images = transformers.Qwen2VLImageProcessor(
+            min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 4, patch_size=14, merge_size=2,
+            temporal_patch_size=2)
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                         max_position_embeddings=256,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                          "rope_theta": 10000.0}),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=pad, video_token_id=video, vision_start_token_id=start,
+        vision_end_token_id=end)
+    torch.manual_seed(0)
+    hf = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+
+    def encode(text, seed):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pixels = images(images=_image(seed).resize((56, 56)), return_tensors="pt")
+        n = int(pixels["image_grid_thw"].prod()) // 4
+        enc = tok("<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>" + text,
+                  return_tensors="pt")
+        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+                "mm_token_type_ids": (enc["input_ids"] == pad).long(), **pixels}
+
+    return hf, tok, encode
+
+
+def test_invokes_of_a_multimodal_rope_model_get_their_own_positions():
+    """Qwen2-VL works its 3-D (M-RoPE) positions out of the attention mask and the image grid:
+    two invokes of different lengths, each an encoding with an image, give each the plain
+    model's logits on its encoding alone. Before: the per-token ``mm_token_type_ids`` of the
+    shorter one was not padded (BatchingError), and the batch got plain 2-D position ids from
+    the padding (logits off by ~6)."""
+    hf, tok, encode = _tiny_qwen2_vl()
+    a, b = encode("hello", 0), encode("hi there you", 1)
+    with torch.no_grad():
+        ref_a, ref_b = hf(**a).logits, hf(**b).logits
+    model = LanguageModel(hf, tokenizer=tok)
+    with model.trace() as tracer:
+        with tracer.invoke(a):
+            got_a = model.output.logits.save()
+        with tracer.invoke(b):
+            got_b = model.output.logits.save()
+    n = ref_a.shape[1]
+    assert got_a.shape[1] == ref_b.shape[1] > n
+    torch.testing.assert_close(got_a[:, -n:], ref_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_b, ref_b, rtol=1e-5, atol=1e-5)
