@@ -54,6 +54,7 @@ from .language import Generator, LanguageModel
 from .model import NNsight
 from .modeling.transformers import TransformersModel
 from .modeling.vlm import VisionLanguageModel
+from .diffusion import DiffusionModel
 from .remote import register
 from .tracing import Invoker, Tracer
 
@@ -70,6 +71,7 @@ __all__ = [
     "LanguageModel",
     "TransformersModel",
     "VisionLanguageModel",
+    "DiffusionModel",
     "Generator",
     "Envoy",
     "Tracer",

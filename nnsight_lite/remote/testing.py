@@ -4,6 +4,7 @@
     save_tiny_gpt2(dir)   a 2-layer GPT-2 from a config + a character tokenizer, saved to dir
     save_tiny(m, tok, dir)  a tiny model's matrices spread wider, saved with its tokenizer
     save_tiny_llava(dir)  a 2-layer LLaVA (CLIP vision tower, Llama text model) + its processor
+    save_tiny_diffusion(dir)  a tiny Stable Diffusion pipeline (UNet, VAE, CLIP text encoder)
 """
 
 from __future__ import annotations
@@ -76,6 +77,38 @@ def save_tiny_llava(directory, seed: int = 0) -> str:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         save_tiny(LlavaForConditionalGeneration(config).eval(), processor, directory)
+    return str(directory)
+
+
+def save_tiny_diffusion(directory, seed: int = 0) -> str:
+    """Save a tiny Stable Diffusion pipeline (a two-level UNet on 8 x 8 latents, a one-level
+    VAE, a 2-layer CLIP text encoder, the character tokenizer, a DDIM scheduler) to
+    ``directory``; open it with ``DiffusionModel(directory)``. Needs diffusers."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    tok = char_tokenizer()
+    tok.model_max_length = 16
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(
+            block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4,
+            out_channels=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
+            norm_num_groups=4, attention_head_dim=4)
+        vae = AutoencoderKL(
+            block_out_channels=(8,), in_channels=3, out_channels=3, latent_channels=4,
+            down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
+            norm_num_groups=4, sample_size=8)
+        text = CLIPTextModel(CLIPTextConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            vocab_size=len(tok), max_position_embeddings=16, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0))
+    pipe = StableDiffusionPipeline(unet=unet.eval(), vae=vae.eval(), text_encoder=text.eval(),
+                                   tokenizer=tok, scheduler=DDIMScheduler(), safety_checker=None,
+                                   feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(directory)
     return str(directory)
 
 

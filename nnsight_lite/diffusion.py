@@ -1,0 +1,212 @@
+"""``DiffusionModel``: a diffusers pipeline (UNet- or transformer-based) traced like any module.
+
+    DiffusionModel(path_or_pipeline, **from_pretrained_kwargs)
+        .trace(prompt, **pipeline_kwargs)      the whole pipeline; one denoising step unless
+                                               ``num_inference_steps=`` says more
+        .generate(prompt, **pipeline_kwargs)   the same in a with-block; called plainly, the
+                                               pipeline's own output with its own defaults
+        .pipeline                              the diffusers pipeline
+        .unet / .transformer / .vae / .text_encoder   its module components, as Envoys
+
+The wrapped module is a :class:`PipelineModule`: the pipeline's ``torch.nn.Module``
+components as its children and the pipeline's call as its forward, so ``model.output`` (and
+``tracer.result``) is the pipeline's output object and the denoiser's call ``i`` is denoising
+step ``i`` (``tracer.iter[...]``, ``tracer.all()``, ``.next()``). ``seed=`` gives the pipeline
+reproducible generators (one per image: ``seed``, ``seed + 1``, ...); a ``generator=`` of your
+own wins over it. Requires ``diffusers`` (the ``diffusion`` extra).
+
+One invoke per trace: with classifier-free guidance the denoiser's batch holds every prompt's
+unconditional rows, then every prompt's conditional ones, so a prompt's rows are not one run
+of rows that an invoke could be given; pass several prompts as a list to one invoke (or to the
+trace) instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+
+from .errors import InputError
+from .model import NNsight
+from .tracing import Tracer
+from .with_calls import _called_as_context
+
+#: Keywords of the pipeline that are an invoke's input rather than an option of the run.
+_PROMPT_KWARGS = frozenset({"prompt", "prompt_embeds", "image"})
+#: Keywords with which the pipeline, not ``scheduler.set_timesteps(num_inference_steps)``,
+#: decides how many denoising calls it makes.
+_STEPS_DECIDED_BY_SCHEDULER = frozenset({"image", "strength", "timesteps", "sigmas",
+                                         "denoising_end", "denoising_start"})
+
+
+class PipelineModule(torch.nn.Module):
+    """The module a DiffusionModel traces: a pipeline's ``torch.nn.Module`` components as
+    children (in the pipeline's order) and the pipeline's call as ``forward``."""
+
+    def __init__(self, pipeline):
+        super().__init__()
+        self.__dict__["pipeline"] = pipeline  # (not a child: the pipeline is no Module)
+        for name, part in pipeline.components.items():
+            if isinstance(part, torch.nn.Module):
+                self.add_module(name, part)
+
+    def forward(self, *args, **kwargs):
+        return self.pipeline(*args, **kwargs)
+
+
+class DiffusionTracer(Tracer):
+    """The tracer of a DiffusionModel's ``trace`` / ``generate``: an open step loop
+    (``tracer.all()``) has as many steps as the denoiser makes calls, where the scheduler
+    says how many beforehand, so the body goes on after the loop."""
+
+    def _interleave(self, inter, made: list, args: tuple, kwargs: dict):
+        inter.steps = self._model._denoiser_calls(kwargs)
+        return super()._interleave(inter, made, args, kwargs)
+
+
+class DiffusionModel(NNsight):
+    """A diffusers pipeline, traced with ``with model.generate(prompt, ...):``.
+
+    Example::
+
+        from nnsight_lite import DiffusionModel
+
+        sd = DiffusionModel("path/to/stable-diffusion")
+        with sd.generate("a photo of a cat", num_inference_steps=4, seed=0) as tracer:
+            noise = nnsight_lite.save([])
+            for step in tracer.all():                   # every denoising step
+                noise.append(sd.unet.output[0])
+            result = tracer.result.save()
+        image = result.images[0]
+
+    ``model`` is a local directory or hub id (loaded with ``DiffusionPipeline.from_pretrained``
+    and the keywords given: ``torch_dtype``, ``variant``, ``safety_checker=None``, ...; or with
+    ``automodel=``, a pipeline class or its name in ``diffusers``, such as
+    ``AutoPipelineForImage2Image``), or a pipeline already built. The pipeline loads when the
+    model is made (``dispatch=`` is accepted for nnsight code; there is no meta placeholder).
+    ``device=`` moves the loaded pipeline there.
+    """
+
+    def __init__(self, model, *, dispatch: bool = True, automodel=None,
+                 rename: dict | None = None, envoys: dict | None = None, device=None,
+                 **kwargs):
+        if isinstance(model, (str, os.PathLike)):
+            model = _pipeline_class(automodel).from_pretrained(os.fspath(model), **kwargs)
+        elif kwargs:
+            raise TypeError(
+                f"DiffusionModel got an already built {type(model).__name__} and loading "
+                f"options {sorted(kwargs)}; loading options apply to a path or hub id only"
+            )
+        if not isinstance(getattr(model, "components", None), dict):
+            raise TypeError("DiffusionModel wraps a diffusers pipeline (DiffusionPipeline) or "
+                            f"a path to one, got {type(model).__name__}")
+        if device is not None:
+            model = model.to(device)
+        super().__init__(PipelineModule(model), rename=rename, envoys=envoys)
+
+    @property
+    def pipeline(self):
+        """The diffusers pipeline (its scheduler and other parts that are not modules too)."""
+        return self._module.pipeline
+
+    # ---- contexts
+
+    def trace(self, *inputs, trace: bool = True, **kwargs):
+        """``with model.trace(prompt, **pipeline_kwargs):`` runs the whole pipeline with the
+        body interleaved; ``num_inference_steps`` is 1 unless given (a probe of the denoiser,
+        as in nnsight). Given no prompt, the keywords are the run's and the body's invokes
+        give the prompt."""
+        if not trace:
+            args, kwargs, _ = self._batch_inputs([self._prepare_inputs(*inputs, **kwargs)])
+            return self._run_forward(args, kwargs)
+        if not inputs and _PROMPT_KWARGS.isdisjoint(kwargs):
+            return DiffusionTracer(self, (), {}, forward=kwargs)
+        return DiffusionTracer(self, inputs, kwargs)
+
+    def generate(self, *inputs, trace: bool = True, **kwargs):
+        """``with model.generate(prompt, num_inference_steps=n, **pipeline_kwargs):`` - as
+        ``trace`` (one step unless ``num_inference_steps`` is given). Called plainly (no
+        with-block, or ``trace=False``) it runs the pipeline with its own defaults and returns
+        its output (``seed=`` still applies)."""
+        if not trace or not _called_as_context(sys._getframe(1)):
+            return self.pipeline(*inputs, **_seeded(kwargs, inputs))
+        return self.trace(*inputs, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.pipeline(*args, **_seeded(kwargs, args))
+
+    def _denoiser_calls(self, kwargs: dict) -> "int | None":
+        """How many times the denoiser runs for ``kwargs`` (``len(scheduler.timesteps)`` after
+        ``set_timesteps``, on a copy: PNDM makes one call more than it takes steps), or None
+        where the run decides otherwise (an input image's ``strength``, given timesteps)."""
+        if not _STEPS_DECIDED_BY_SCHEDULER.isdisjoint(kwargs):
+            return None
+        try:
+            scheduler = copy.deepcopy(self.pipeline.scheduler)
+            scheduler.set_timesteps(kwargs.get("num_inference_steps", 1))
+            return len(scheduler.timesteps)
+        except Exception:  # noqa: BLE001 - (a scheduler that needs more: the loop stays open)
+            return None
+
+    # ---- inputs
+
+    def _prepare_inputs(self, *args, **kwargs):
+        prompt = args[0] if args else kwargs.get("prompt")
+        rows = len(prompt) if isinstance(prompt, (list, tuple)) else 1
+        return args, kwargs, rows
+
+    def _batch_inputs(self, prepared: list):
+        if len(prepared) > 1:
+            raise InputError(
+                "DiffusionModel runs one invoke per trace: with classifier-free guidance the "
+                "denoiser's batch holds every prompt's unconditional rows and then every "
+                "prompt's conditional ones, so one prompt's rows cannot be an invoke's; pass "
+                "the prompts as a list to one invoke (tracer.invoke(['a cat', 'a dog']))"
+            )
+        args, kwargs, rows = prepared[0]
+        return args, kwargs, [rows]
+
+    def _run_forward(self, args: tuple, kwargs: dict):
+        kwargs = _seeded(kwargs, args)
+        kwargs.setdefault("num_inference_steps", 1)
+        return self._module(*args, **kwargs)
+
+
+def _seeded(kwargs: dict, args: tuple) -> dict:
+    """``kwargs`` with ``seed=`` turned into the pipeline's ``generator=`` (one generator per
+    image, seeded ``seed + i``), unless a generator is given."""
+    if "seed" not in kwargs:
+        return kwargs
+    kwargs = dict(kwargs)
+    seed = kwargs.pop("seed")
+    if kwargs.get("generator") is not None or seed is None:
+        return kwargs
+    prompt = args[0] if args else kwargs.get("prompt")
+    images = (len(prompt) if isinstance(prompt, (list, tuple)) else 1) * \
+        int(kwargs.get("num_images_per_prompt") or 1)
+    gens = [torch.Generator().manual_seed(int(seed) + i) for i in range(images)]
+    kwargs["generator"] = gens[0] if images == 1 else gens
+    return kwargs
+
+
+def _pipeline_class(automodel):
+    """The class to load a pipeline with: ``DiffusionPipeline``, or ``automodel`` (a class or
+    its name in diffusers)."""
+    try:
+        import diffusers
+    except ImportError as err:
+        raise ImportError("DiffusionModel needs diffusers: pip install diffusers (or the "
+                          "'diffusion' extra of nnsight_lite)") from err
+    if automodel is None:
+        return diffusers.DiffusionPipeline
+    found = getattr(diffusers, automodel, None) if isinstance(automodel, str) else automodel
+    if not hasattr(found, "from_pretrained"):
+        raise TypeError(f"DiffusionModel(automodel=...) takes a diffusers pipeline class or its "
+                        f"name (AutoPipelineForImage2Image), got {automodel!r}")
+    return found
+
+
+__all__ = ["DiffusionModel", "PipelineModule"]

@@ -1,0 +1,183 @@
+"""``DiffusionModel`` on a tiny Stable Diffusion pipeline saved offline
+(remote/testing.save_tiny_diffusion), checked against the plain diffusers pipeline run with the
+same seed and forward hooks."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+import nnsight_lite  # noqa: E402
+from nnsight_lite import DiffusionModel, InputError  # noqa: E402
+from nnsight_lite.remote.testing import save_tiny_diffusion  # noqa: E402
+
+RUN = dict(output_type="np", guidance_scale=7.5)
+
+
+@pytest.fixture(scope="module")
+def sd_dir(tmp_path_factory):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return save_tiny_diffusion(tmp_path_factory.mktemp("sd"))
+
+
+def _load(sd_dir, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (diffusers: accelerate missing, no safety checker)
+        model = DiffusionModel(sd_dir, **kw)
+    model.pipeline.set_progress_bar_config(disable=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def sd(sd_dir):
+    return _load(sd_dir)
+
+
+@pytest.fixture(scope="module")
+def plain(sd_dir):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = diffusers.DiffusionPipeline.from_pretrained(sd_dir)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _plain_run(pipe, prompt, steps, seed, hook=None):
+    """The plain pipeline's output and the UNet's per-call ``output[0]`` (a forward hook; it
+    may replace the output)."""
+    seen = []
+
+    def keep(module, args, out):
+        new = hook(out) if hook is not None else None
+        seen.append((new if new is not None else out)[0].clone())
+        return new
+
+    handle = pipe.unet.register_forward_hook(keep)
+    try:
+        out = pipe(prompt, num_inference_steps=steps,
+                   generator=torch.Generator().manual_seed(seed), **RUN)
+    finally:
+        handle.remove()
+    return out, seen
+
+
+def test_components_are_envoys_and_the_pipeline_is_reachable(sd):
+    assert isinstance(sd.pipeline, diffusers.StableDiffusionPipeline)
+    assert [n for n, _ in sd._module.named_children()] == ["vae", "text_encoder", "unet"]
+    assert sd.unet._module is sd.pipeline.unet
+    assert "UNet2DConditionModel" in repr(sd)
+
+
+def test_generate_reads_the_denoiser_at_every_step(sd, plain):
+    """``with sd.generate(prompt, num_inference_steps=3, seed=0)``: ``tracer.all()`` gets the
+    UNet's output at each of the 3 steps and ``tracer.result`` is the pipeline's output, all
+    equal to the plain pipeline run with a generator seeded 0 (and the loop's end is known:
+    the body goes on after it)."""
+    with sd.generate("a cat", num_inference_steps=3, seed=0, **RUN) as tracer:
+        outs = nnsight_lite.save([])
+        for step in tracer.all():
+            outs.append(sd.unet.output[0])
+        result = tracer.result.save()
+    want, seen = _plain_run(plain, "a cat", 3, 0)
+    assert len(outs) == len(seen) == 3
+    for got, ref in zip(outs, seen):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert (result.images == want.images).all()
+
+
+def test_a_trace_takes_one_step_unless_told(sd, plain):
+    """``sd.trace(prompt)`` denoises once (as nnsight's traced runs do): one UNet call, the
+    plain pipeline's one-step output."""
+    with sd.trace("a cat", seed=1, **RUN) as tracer:
+        outs = nnsight_lite.save([])
+        for step in tracer.all():
+            outs.append(sd.unet.output[0])
+        result = sd.output.save()
+    want, seen = _plain_run(plain, "a cat", 1, 1)
+    assert len(outs) == 1
+    torch.testing.assert_close(outs[0], seen[0], rtol=0, atol=0)
+    assert (result.images == want.images).all()
+
+
+def test_zeroing_the_denoiser_output_at_every_step(sd, plain):
+    """An in-place edit at each step equals a hook returning zeros."""
+    with sd.generate("a dog", num_inference_steps=2, seed=2, **RUN) as tracer:
+        for step in tracer.iter[:2]:
+            sd.unet.output[0][:] = 0
+        result = tracer.result.save()
+    want, _ = _plain_run(plain, "a dog", 2, 2,
+                         hook=lambda out: (torch.zeros_like(out[0]),) + tuple(out[1:]))
+    assert (result.images == want.images).all()
+
+
+def test_a_plain_generate_call_is_the_pipeline_with_its_defaults(sd, plain):
+    """Without a with-block, ``sd.generate`` returns the pipeline's output; ``seed=`` gives one
+    generator per image (seed, seed + 1), so two images of a prompt differ and the run
+    repeats."""
+    out = sd.generate("a cat", seed=7, num_inference_steps=2, **RUN)
+    want = plain("a cat", num_inference_steps=2, generator=torch.Generator().manual_seed(7),
+                 **RUN)
+    assert (out.images == want.images).all()
+    two = sd.generate("a cat", seed=7, num_images_per_prompt=2, num_inference_steps=2, **RUN)
+    again = sd.generate("a cat", seed=7, num_images_per_prompt=2, num_inference_steps=2, **RUN)
+    assert two.images.shape[0] == 2 and not (two.images[0] == two.images[1]).all()
+    assert (two.images == again.images).all()
+
+
+def test_a_list_of_prompts_in_one_invoke_and_several_invokes_refused(sd):
+    """One invoke of two prompts: the UNet's batch holds both prompts' unconditional and
+    conditional rows. A second invoke raises InputError saying to pass a list, and nothing
+    is left on the model."""
+    with sd.generate(num_inference_steps=1, seed=0, **RUN) as tracer:
+        with tracer.invoke(["a cat", "a dog"]):
+            both = sd.unet.output[0].save()
+    assert both.shape[0] == 4
+    with pytest.raises(InputError, match=r"one invoke per trace.*as a list"):
+        with sd.generate(num_inference_steps=1, **RUN) as tracer:
+            with tracer.invoke("a cat"):
+                pass
+            with tracer.invoke("a dog"):
+                pass
+    with sd.trace("a cat", seed=0, **RUN):
+        again = sd.output.save()
+    assert again.images.shape == (1, 8, 8, 3)
+
+
+def test_cache_and_rename(sd_dir, sd):
+    """``tracer.cache(modules=[sd.unet])`` keeps the UNet's output at each step; a renamed
+    component reads the same values."""
+    with sd.generate("a cat", num_inference_steps=2, seed=3, **RUN) as tracer:
+        cache = tracer.cache(modules=[sd.unet]).save()
+        for step in tracer.iter[:2]:
+            direct = sd.unet.output[0].save()
+    steps = cache["model.unet"].output  # (a list: one value per call, as in nnsight)
+    assert len(steps) == 2
+    torch.testing.assert_close(steps[1][0], direct, rtol=0, atol=0)
+    renamed = _load(sd_dir, rename={"unet": "denoiser"})
+    with renamed.generate("a cat", num_inference_steps=2, seed=3, **RUN) as tracer:
+        for step in tracer.iter[:2]:
+            last = renamed.denoiser.output[0].save()
+    torch.testing.assert_close(last, direct, rtol=0, atol=0)
+
+
+def test_a_dropped_model_and_its_pipeline_are_freed(sd_dir):
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):
+            model = _load(sd_dir)
+            with model.trace("a cat", seed=0, **RUN):
+                out = model.output.save()
+            refs = [weakref.ref(model), weakref.ref(model.pipeline),
+                    weakref.ref(model.pipeline.unet)]
+            del model, out
+            assert [r() for r in refs] == [None] * 3
+    finally:
+        gc.enable()
