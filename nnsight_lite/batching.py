@@ -7,8 +7,10 @@
 
 A tensor is "batch-shaped" when its first dimension equals the trace's total batch size; only
 those are sliced (and, in a ``generate`` with beams or several returned sequences, those whose
-rows are the batch's expanded by that factor: each invoke's rows' beams). Views from ``narrow`` share storage with the full tensor, so in-place edits
-made by a body land in the batch without copying.
+rows are the batch's expanded by that factor: each invoke's rows' beams). Views from ``narrow``
+share storage with the full tensor, so in-place edits made by a body land in the batch without
+copying; rows laid out in blocks (``Tiles``: a diffusion pipeline's guidance batch) are served
+as a copy, and ``write_back`` puts a body's in-place edits of it back.
 """
 
 from __future__ import annotations
@@ -32,11 +34,29 @@ def _is_batch_tensor(x, total: int) -> bool:
         return False  # reaches every invoke whole, as any value not shaped by the batch
 
 
-def _expanded_rows(x, start: int, size: int, total: int, factors) -> "tuple | None":
+class Tiles:
+    """A factor (in ``row_factors``) for values whose rows are ``count`` blocks one after
+    another, each the batch's rows expanded by ``factor``: classifier-free guidance's batch,
+    every prompt's unconditional rows and then every prompt's conditional ones. An invoke's
+    rows there are one span in each block, so it is served a copy of them, and what it edits
+    in place is written back into the blocks after its turn (write_back)."""
+
+    __slots__ = ("count", "factor")
+
+    def __init__(self, count: int, factor: int = 1):
+        self.count = count
+        self.factor = factor
+
+
+_TILED: list = []  # (base, spans, copy, its version) of the tiled copies served, newest last
+
+
+def _expanded_rows(x, start: int, size: int, total: int, factors) -> "tuple | list | None":
     """Where ``x``'s first dimension is ``total * f`` for a factor ``f`` of ``factors`` (HF
     ``generate`` expands each row into ``f`` adjacent rows for beams or returned sequences,
     ``repeat_interleave``), the rows ``start:start+size`` cover there: ``(start*f, size*f)``;
-    else None."""
+    for a ``Tiles`` factor, a list of such ``(start, size)`` spans, one in each block; else
+    None."""
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         return None
     try:
@@ -44,9 +64,32 @@ def _expanded_rows(x, start: int, size: int, total: int, factors) -> "tuple | No
     except RuntimeError:  # (a nested tensor)
         return None
     for f in factors:
-        if n == total * f:
+        if f.__class__ is Tiles:
+            block = total * f.factor
+            if n == block * f.count:
+                return [(b * block + start * f.factor, size * f.factor) for b in range(f.count)]
+        elif n == total * f:
             return start * f, size * f
     return None
+
+
+def _rows_of_spans(x: torch.Tensor, spans: list) -> torch.Tensor:
+    """The rows of ``x`` in ``spans``, as one tensor (a copy: kept in _TILED for write_back)."""
+    copy = torch.cat([x[s:s + n] for s, n in spans], 0)
+    _TILED.append((x, spans, copy, copy._version))
+    return copy
+
+
+def write_back(mark: int) -> None:
+    """Copy what bodies edited in place in the tiled copies served since ``len(_TILED)`` was
+    ``mark`` back into their blocks' rows, and forget them."""
+    for base, spans, copy, version in _TILED[mark:]:
+        if copy._version != version:
+            at = 0
+            for s, n in spans:
+                base[s:s + n].copy_(copy[at:at + n])
+                at += n
+    del _TILED[mark:]
 
 
 def narrow(value: Any, start: int, size: int, total: int, factors=()) -> Any:
@@ -62,6 +105,8 @@ def narrow(value: Any, start: int, size: int, total: int, factors=()) -> Any:
             rows = _expanded_rows(value, start, size, total, factors) if factors else None
             if rows is None:
                 return value
+            if rows.__class__ is list:  # (spans in several blocks: Tiles)
+                return _rows_of_spans(value, rows)
             start, size = rows
         view = value[start:start + size]  # a view, like narrow(), and cheaper to make
         view._nnsight_rows = (value, start, size)
@@ -76,11 +121,16 @@ def merge(full: Any, part: Any, start: int, size: int, total: int, factors=()) -
     Built with ``torch.cat`` so autograd flows through both the kept and the replaced rows.
     """
     if isinstance(full, torch.Tensor):
+        spans = None
         if not _is_batch_tensor(full, total):
             rows = _expanded_rows(full, start, size, total, factors) if factors else None
             if rows is None:
                 return part
-            start, size = rows
+            if rows.__class__ is list:  # (spans in several blocks: Tiles)
+                spans = rows
+                start, size = 0, sum(n for _, n in spans)
+            else:
+                start, size = rows
         if not isinstance(part, torch.Tensor):
             part = torch.as_tensor(part, dtype=torch.float32 if full.is_quantized else full.dtype,
                                    device=full.device)
@@ -89,7 +139,14 @@ def merge(full: Any, part: Any, start: int, size: int, total: int, factors=()) -
         else:
             part = part.to(dtype=full.dtype, device=full.device)
         part = part.expand(size, *full.shape[1:])
-        pieces = [full[:start], part, full[start + size:]]
+        if spans is not None:
+            pieces, at, end = [], 0, 0
+            for s, n in spans:
+                pieces += [full[end:s], part[at:at + n]]
+                at, end = at + n, s + n
+            pieces.append(full[end:])
+        else:
+            pieces = [full[:start], part, full[start + size:]]
         return torch.cat([p for p in pieces if p.shape[0] > 0], 0)
     if isinstance(full, (tuple, list)) and isinstance(part, (tuple, list)) and len(full) == len(part):
         merged = [merge(f, p, start, size, total, factors) for f, p in zip(full, part)]

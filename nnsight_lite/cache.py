@@ -277,7 +277,9 @@ class _Observer:
                     value = value[rows[0]:rows[0] + rows[1]]
                 elif self.factors:
                     grown = batching._expanded_rows(value, *rows, self.total, self.factors)
-                    if grown is not None:
+                    if grown.__class__ is list:  # (spans in several blocks: batching.Tiles)
+                        value = torch.cat([value[s:s + n] for s, n in grown], 0)
+                    elif grown is not None:
                         value = value[grown[0]:grown[0] + grown[1]]
             if self.detach:
                 value = value.detach()

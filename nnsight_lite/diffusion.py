@@ -15,20 +15,23 @@ step ``i`` (``tracer.iter[...]``, ``tracer.all()``, ``.next()``). ``seed=`` give
 reproducible generators (one per image: ``seed``, ``seed + 1``, ...); a ``generator=`` of your
 own wins over it. Requires ``diffusers`` (the ``diffusion`` extra).
 
-One invoke per trace: with classifier-free guidance the denoiser's batch holds every prompt's
-unconditional rows, then every prompt's conditional ones, so a prompt's rows are not one run
-of rows that an invoke could be given; pass several prompts as a list to one invoke (or to the
-trace) instead.
+Several invokes, each a prompt (or a list of them), run as one pipeline call on all their
+prompts; each body gets its own prompts' rows of every value. With classifier-free guidance
+the denoiser's batch holds every prompt's unconditional rows, then every prompt's conditional
+ones, so there an invoke's rows are one span in each half: it is served a copy of them, and
+what it edits in place is written back (batching.Tiles).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import sys
 
 import torch
 
+from .batching import Tiles
 from .errors import InputError
 from .model import NNsight
 from .tracing import Tracer
@@ -63,7 +66,10 @@ class DiffusionTracer(Tracer):
     says how many beforehand, so the body goes on after the loop."""
 
     def _interleave(self, inter, made: list, args: tuple, kwargs: dict):
-        inter.steps = self._model._denoiser_calls(kwargs)
+        model = self._model
+        inter.steps = model._denoiser_calls(kwargs)
+        if any(m.batch is not None and m.batch[1] != inter.total for m in inter.mediators):
+            inter.row_factors = model._row_factors(kwargs)  # (invokes have rows of their own)
         return super()._interleave(inter, made, args, kwargs)
 
 
@@ -151,28 +157,92 @@ class DiffusionModel(NNsight):
         except Exception:  # noqa: BLE001 - (a scheduler that needs more: the loop stays open)
             return None
 
+    def _row_factors(self, kwargs: dict) -> tuple:
+        """How the rows of the pipeline's values relate to the prompts (batching.narrow):
+        ``num_images_per_prompt`` adjacent rows a prompt (the latents, the images); with
+        classifier-free guidance, the denoiser's batch is two blocks of those, every prompt's
+        unconditional rows and then every prompt's conditional ones (``Tiles``)."""
+        per = int(kwargs.get("num_images_per_prompt") or 1)
+        factors = (per,) if per > 1 else ()
+        pipe = self.pipeline
+        if hasattr(type(pipe), "do_classifier_free_guidance"):  # (SD, SDXL, SD3: scale > 1)
+            scale = kwargs.get("guidance_scale", _default(pipe, "guidance_scale"))
+            if isinstance(scale, (int, float)) and scale > 1:
+                factors += (Tiles(2, per),)
+        return factors
+
     # ---- inputs
 
     def _prepare_inputs(self, *args, **kwargs):
-        prompt = args[0] if args else kwargs.get("prompt")
+        if len(args) > 1:
+            raise InputError(f"an invoke of a DiffusionModel takes one prompt (or a list of "
+                             f"them), got {len(args)} positional inputs")
+        if args:
+            if "prompt" in kwargs:
+                raise InputError("got a prompt both positionally and as prompt=...; pass one")
+            kwargs = {"prompt": args[0], **kwargs}
+        prompt = kwargs.get("prompt")
         rows = len(prompt) if isinstance(prompt, (list, tuple)) else 1
-        return args, kwargs, rows
+        return (), kwargs, rows
 
     def _batch_inputs(self, prepared: list):
-        if len(prepared) > 1:
-            raise InputError(
-                "DiffusionModel runs one invoke per trace: with classifier-free guidance the "
-                "denoiser's batch holds every prompt's unconditional rows and then every "
-                "prompt's conditional ones, so one prompt's rows cannot be an invoke's; pass "
-                "the prompts as a list to one invoke (tracer.invoke(['a cat', 'a dog']))"
-            )
-        args, kwargs, rows = prepared[0]
-        return args, kwargs, [rows]
+        if len(prepared) == 1:
+            args, kwargs, rows = prepared[0]
+            return args, kwargs, [rows]
+        sizes = [rows for _, _, rows in prepared]
+        kws = [kw for _, kw, _ in prepared]
+        for i, kw in enumerate(kws):
+            if not isinstance(kw.get("prompt"), (str, list, tuple)):
+                raise InputError(
+                    f"invoke {i} of a DiffusionModel trace has no text prompt; several invokes "
+                    "batch text prompts only (give embeddings or images to a single invoke)")
+        batch = {"prompt": [p for kw, n in zip(kws, sizes) for p in _listed(kw["prompt"], n)]}
+        if any(kw.get("negative_prompt") is not None for kw in kws):
+            batch["negative_prompt"] = [p for kw, n in zip(kws, sizes)
+                                        for p in _listed(kw.get("negative_prompt") or "", n)]
+        rest = [{k: v for k, v in kw.items() if k not in ("prompt", "negative_prompt")}
+                for kw in kws]
+        for key in set().union(*rest):
+            values = [r.get(key, _UNSET) for r in rest]
+            if any(not _same(values[0], v) for v in values[1:]):
+                raise InputError(
+                    f"the invokes of a DiffusionModel trace give {key!r} different values; "
+                    "they run as one pipeline call, so give it once, to the trace "
+                    f"(model.generate({key}=...)) or equally to every invoke")
+            batch[key] = values[0]
+        return (), batch, sizes
 
     def _run_forward(self, args: tuple, kwargs: dict):
         kwargs = _seeded(kwargs, args)
         kwargs.setdefault("num_inference_steps", 1)
         return self._module(*args, **kwargs)
+
+
+_UNSET = object()
+
+
+def _listed(prompt, rows: int) -> list:
+    """An invoke's prompt (or negative prompt) as a list of its ``rows`` prompts."""
+    return list(prompt) if isinstance(prompt, (list, tuple)) else [prompt] * rows
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+            a.shape == b.shape and bool((a == b).all())
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - (values that cannot be compared are not the same)
+        return a is b
+
+
+def _default(pipe, name: str):
+    """The default of keyword ``name`` of the pipeline's call (None where it has none)."""
+    try:
+        param = inspect.signature(type(pipe).__call__).parameters.get(name)
+    except (TypeError, ValueError):
+        return None
+    return None if param is None or param.default is inspect.Parameter.empty else param.default
 
 
 def _seeded(kwargs: dict, args: tuple) -> dict:

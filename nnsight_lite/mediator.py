@@ -230,10 +230,12 @@ class Mediator:
         inter = self.interleaver
         total = inter.total
         before = None
+        factors = inter.row_factors
         if b is None:
             view = full
         else:
-            view = batching.narrow(full, b[0], b[1], total, inter.row_factors)
+            mark = len(batching._TILED) if factors else 0  # (copies served: see write_back)
+            view = batching.narrow(full, b[0], b[1], total, factors)
             if view.__class__ is not _Tensor:  # a narrowed copy of a container (or no
                 before = batching.entries(view)  # container: None)
         self.cur_key = key
@@ -243,6 +245,8 @@ class Mediator:
             req = self.resume(view, None, parent_state)
         finally:
             self.cur_key = None
+            if factors and b is not None and len(batching._TILED) > mark:
+                batching.write_back(mark)  # (before any merge: a replacement wins over them)
         if self.replaced:
             new = self.cur_value
             full = new if b is None else batching.merge(full, new, b[0], b[1], total,

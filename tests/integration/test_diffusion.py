@@ -131,23 +131,114 @@ def test_a_plain_generate_call_is_the_pipeline_with_its_defaults(sd, plain):
     assert (two.images == again.images).all()
 
 
-def test_a_list_of_prompts_in_one_invoke_and_several_invokes_refused(sd):
-    """One invoke of two prompts: the UNet's batch holds both prompts' unconditional and
-    conditional rows. A second invoke raises InputError saying to pass a list, and nothing
-    is left on the model."""
-    with sd.generate(num_inference_steps=1, seed=0, **RUN) as tracer:
-        with tracer.invoke(["a cat", "a dog"]):
-            both = sd.unet.output[0].save()
-    assert both.shape[0] == 4
-    with pytest.raises(InputError, match=r"one invoke per trace.*as a list"):
-        with sd.generate(num_inference_steps=1, **RUN) as tracer:
+def _plain_batch(pipe, prompts, seed, hook=None, **kw):
+    """The plain pipeline on several prompts (one generator per image: seed, seed + 1, ...),
+    and the UNet's per-call ``output[0]`` before ``hook`` (which may return a new output)."""
+    seen = []
+
+    def keep(module, args, out):
+        seen.append(out[0].clone())
+        return hook(out) if hook is not None else None
+
+    images = len(prompts) * kw.get("num_images_per_prompt", 1)
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(images)]
+    handle = pipe.unet.register_forward_hook(keep)
+    try:
+        out = pipe(prompts, generator=gens, **RUN, **kw)
+    finally:
+        handle.remove()
+    return out, seen
+
+
+def _zero_rows(rows):
+    def hook(out):
+        x = out[0].clone()
+        x[rows] = 0
+        return (x,) + tuple(out[1:])
+    return hook
+
+
+class TestInvokes:
+    """Several invokes run as one pipeline call on all their prompts. With classifier-free
+    guidance the UNet's batch is [uncond cat, uncond dog, cond cat, cond dog]: each invoke
+    gets its prompt's two rows, and its edits land in those rows only."""
+
+    def test_each_invoke_reads_its_prompts_rows(self, sd, plain):
+        with sd.generate(num_inference_steps=2, seed=0, **RUN) as tracer:
+            with tracer.invoke("a cat"):
+                cat = nnsight_lite.save([])
+                for step in tracer.iter[:2]:
+                    cat.append(sd.unet.output[0])
+            with tracer.invoke("a dog"):
+                text = sd.text_encoder.output[0].save()  # (the prompts' call: a row a prompt)
+                dog = nnsight_lite.save([])
+                for step in tracer.iter[:2]:
+                    dog.append(sd.unet.output[0])
+        texts = []
+        handle = plain.text_encoder.register_forward_hook(lambda m, a, o: texts.append(o[0]))
+        try:
+            _, seen = _plain_batch(plain, ["a cat", "a dog"], 0, num_inference_steps=2)
+        finally:
+            handle.remove()
+        for step in range(2):
+            torch.testing.assert_close(cat[step], seen[step][[0, 2]], rtol=0, atol=0)
+            torch.testing.assert_close(dog[step], seen[step][[1, 3]], rtol=0, atol=0)
+        torch.testing.assert_close(text, texts[0][1:2], rtol=0, atol=0)
+
+    @pytest.mark.parametrize("how", ["in place", "replaced"])
+    def test_an_edit_in_one_invoke_changes_only_its_prompts_rows(self, sd, plain, how):
+        """Zeroing the dog's UNet output (in place, or by setting a new output) gives the
+        images of the plain pipeline with a hook zeroing rows 1 and 3, and the cat's image is
+        the unedited run's."""
+        with sd.generate(num_inference_steps=2, seed=0, **RUN) as tracer:
             with tracer.invoke("a cat"):
                 pass
             with tracer.invoke("a dog"):
+                for step in tracer.iter[:2]:
+                    if how == "in place":
+                        sd.unet.output[0][:] = 0
+                    else:
+                        sd.unet.output = (torch.zeros_like(sd.unet.output[0]),)
+            with tracer.invoke():  # (no input: the whole batch)
+                result = tracer.result.save()
+        edited, _ = _plain_batch(plain, ["a cat", "a dog"], 0, _zero_rows([1, 3]),
+                                 num_inference_steps=2)
+        unedited, _ = _plain_batch(plain, ["a cat", "a dog"], 0, num_inference_steps=2)
+        assert (result.images == edited.images).all()
+        assert (result.images[0] == unedited.images[0]).all()
+        assert not (result.images[1] == unedited.images[1]).all()
+
+    def test_several_images_per_prompt(self, sd, plain):
+        """``num_images_per_prompt=2``: the UNet's batch is two blocks of 2 x 2 rows; the
+        second invoke's rows are 2, 3, 6 and 7, and the images are the plain run's."""
+        with sd.generate(num_inference_steps=1, num_images_per_prompt=2, seed=5, **RUN) as tracer:
+            with tracer.invoke("a cat"):
                 pass
-    with sd.trace("a cat", seed=0, **RUN):
-        again = sd.output.save()
-    assert again.images.shape == (1, 8, 8, 3)
+            with tracer.invoke("a dog"):
+                dog = sd.unet.output[0].save()
+                latents = sd.vae.decoder.conv_in.input.save()  # (the VAE: 2 rows a prompt)
+            with tracer.invoke():
+                result = tracer.result.save()
+        want, seen = _plain_batch(plain, ["a cat", "a dog"], 5, num_inference_steps=1,
+                                  num_images_per_prompt=2)
+        torch.testing.assert_close(dog, seen[0][[2, 3, 6, 7]], rtol=0, atol=0)
+        assert latents.shape[0] == 2
+        assert (result.images == want.images).all()
+
+    def test_a_list_in_one_invoke_and_other_keywords_must_agree(self, sd):
+        with sd.generate(num_inference_steps=1, seed=0, **RUN) as tracer:
+            with tracer.invoke(["a cat", "a dog"]):
+                both = sd.unet.output[0].save()
+        assert both.shape[0] == 4
+        with pytest.raises(InputError, match="'num_inference_steps' different values"):
+            with sd.generate(seed=0, **RUN) as tracer:
+                with tracer.invoke("a cat", num_inference_steps=1):
+                    pass
+                with tracer.invoke("a dog", num_inference_steps=2):
+                    pass
+        with sd.trace("a cat", seed=0, **RUN):  # nothing left behind
+            again = sd.output.save()
+        assert again.images.shape == (1, 8, 8, 3)
 
 
 def test_cache_and_rename(sd_dir, sd):
