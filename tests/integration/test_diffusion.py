@@ -17,7 +17,7 @@ import nnsight_lite  # noqa: E402
 from nnsight_lite import DiffusionModel, InputError  # noqa: E402
 from nnsight_lite.remote.testing import save_tiny_diffusion  # noqa: E402
 
-RUN = dict(output_type="np", guidance_scale=7.5)
+RUN = dict(output_type="np")  # (guidance_scale: the pipeline's 7.5)
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +224,39 @@ class TestInvokes:
         torch.testing.assert_close(dog, seen[0][[2, 3, 6, 7]], rtol=0, atol=0)
         assert latents.shape[0] == 2
         assert (result.images == want.images).all()
+
+    @pytest.mark.parametrize("guidance", [1.0, 7.5])
+    def test_invokes_of_one_two_and_one_prompts_with_three_images_each(self, sd, guidance):
+        """nnsight's own batching cases: invokes of 1, 2 and 1 prompts, 3 images a prompt. The
+        text encoder's rows are a prompt each (1, 2, 1), the VAE's 3 a prompt, the UNet's 3 a
+        prompt in each guidance half (without guidance: one half); each invoke's rows are its
+        share of the whole batch (an invoke with no input), and a value each invoke sets lands
+        in its rows only."""
+        prompts = ["a cat", ["a panda", "a cake"], "a wave"]
+        layer = sd.text_encoder.encoder.layers[-1]
+        with sd.generate(num_inference_steps=1, num_images_per_prompt=3, seed=4,
+                         guidance_scale=guidance, **RUN) as tracer:
+            got = nnsight_lite.save([])
+            for i, prompt in enumerate(prompts):
+                with tracer.invoke(prompt):
+                    text = layer.output.save()
+                    sd.unet.output = (torch.full_like(sd.unet.output[0], float(i)),)
+                    unet = sd.unet.output[0].save()
+                    vae = sd.vae.decoder.output.save()
+                    got.append((text, unet, vae))
+            with tracer.invoke():
+                whole = nnsight_lite.save((layer.output, sd.unet.output[0],
+                                           sd.vae.decoder.output))
+        halves = 2 if guidance > 1 else 1
+        first = [0, 1, 3]  # (each invoke's first prompt)
+        for i, (text, unet, vae) in enumerate(got):
+            n = [1, 2, 1][i]
+            torch.testing.assert_close(text, whole[0][first[i]:first[i] + n], rtol=0, atol=0)
+            rows = [h * 12 + first[i] * 3 + r for h in range(halves) for r in range(3 * n)]
+            assert unet.shape[0] == 3 * n * halves
+            assert (whole[1][rows] == float(i)).all() and (unet == float(i)).all()
+            torch.testing.assert_close(vae, whole[2][first[i] * 3:(first[i] + n) * 3],
+                                       rtol=0, atol=0)
 
     def test_a_list_in_one_invoke_and_other_keywords_must_agree(self, sd):
         with sd.generate(num_inference_steps=1, seed=0, **RUN) as tracer:
