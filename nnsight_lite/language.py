@@ -187,6 +187,12 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
         return self.__dict__.get("_processor")
 
     @property
+    def task(self) -> str:
+        """The pipeline task the model was loaded for (``task=``; ``"text-generation"`` by
+        default), as nnsight 0.8's ``model.task``."""
+        return self.__dict__.get("_task") or "text-generation"
+
+    @property
     def generator(self) -> Envoy:
         """``model.generator.output``: the ids ``generate`` returns, readable in its body once
         generation is over (after the body's step loop)."""

@@ -86,6 +86,7 @@ class TestTrace:
         assert type(model.processor).__name__ == "LlavaProcessor"
         assert model.tokenizer is model.processor.tokenizer
         assert model.tokenizer.padding_side == "left"
+        assert model.task == "image-text-to-text"
 
     def test_text_keyword_single_image_and_an_encoding_agree(self, model, plain):
         """The prompt as ``text=``, one image not in a list, and the processor's encoding
@@ -181,6 +182,7 @@ class TestMistakes:
         """A text model given ``images=`` says which task or processor takes them (before: the
         forward's TypeError about an unexpected keyword)."""
         lm = LanguageModel(save_tiny_gpt2(tmp_path / "gpt2"))
+        assert lm.task == "text-generation" and lm.processor is None
         with pytest.raises(InputError, match=r"no processor for \['images'\].*"
                                              r"task='image-text-to-text'"):
             with lm.trace("hello", images=[_image(0)]):
