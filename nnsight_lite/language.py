@@ -121,6 +121,13 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
     def __init__(self, model, *, tokenizer=None, dispatch: bool = False, automodel=None,
                  tokenizer_kwargs: dict | None = None, rename: dict | None = None,
                  envoys: dict | None = None, task: str | None = None, processor=None, **kwargs):
+        if kwargs.get("peft") is not None:
+            raise InputError(
+                f"{type(self).__name__}(..., peft=...): PEFT adapters are not loaded by "
+                "nnsight_lite; load the model with its adapter yourself (peft's "
+                "PeftModel.from_pretrained(base_model, adapter)) and wrap the result: "
+                f"{type(self).__name__}(peft_model, tokenizer=tokenizer)")
+        kwargs.pop("peft", None)
         d = self.__dict__
         d["_task"] = task
         if task not in (None, "text-generation") and automodel is None:

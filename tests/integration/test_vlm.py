@@ -191,6 +191,12 @@ class TestMistakes:
             out = lm.output.logits.save()
         assert out.shape[:2] == (1, 5)
 
+    def test_a_peft_adapter_is_refused_at_once(self, llava_dir):
+        """``peft=`` (nnsight 0.8's adapter keyword) says how to load the adapter yourself,
+        when the model is made (before: passed to from_pretrained at the first trace)."""
+        with pytest.raises(InputError, match="PeftModel.from_pretrained"):
+            TransformersModel(llava_dir, task="image-text-to-text", peft="some/adapter")
+
     def test_an_unknown_task(self, llava_dir):
         with pytest.raises(ValueError, match="task='image-to-nonsense'"):
             TransformersModel(llava_dir, task="image-to-nonsense")
