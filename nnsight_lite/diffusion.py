@@ -164,11 +164,12 @@ class DiffusionModel(NNsight):
         unconditional rows and then every prompt's conditional ones (``Tiles``)."""
         per = int(kwargs.get("num_images_per_prompt") or 1)
         factors = (per,) if per > 1 else ()
-        pipe = self.pipeline
-        if hasattr(type(pipe), "do_classifier_free_guidance"):  # (SD, SDXL, SD3: scale > 1)
-            scale = kwargs.get("guidance_scale", _default(pipe, "guidance_scale"))
-            if isinstance(scale, (int, float)) and scale > 1:
-                factors += (Tiles(2, per),)
+        # guidance is on where the scale is above 1 (SD's rule; a pipeline that runs the
+        # unconditional pass apart, or guides otherwise, has no value of twice the rows to
+        # match): only a scale known to be 1 or less rules the doubled batch out
+        scale = kwargs.get("guidance_scale", _default(self.pipeline, "guidance_scale"))
+        if not (isinstance(scale, (int, float)) and scale <= 1):
+            factors += (Tiles(2, per),)
         return factors
 
     # ---- inputs
