@@ -205,6 +205,27 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
         generation is over (after the body's step loop)."""
         return self._generator
 
+    @property
+    def repo_id(self) -> str | None:
+        """The directory or hub id the model was loaded from (a built model's ``name_or_path``),
+        as nnsight 0.8's ``model.repo_id``."""
+        return self._source or getattr(self._module, "name_or_path", None) or None
+
+    @property
+    def revision(self) -> str | None:
+        """The ``revision=`` the weights were loaded at (None: the default branch)."""
+        return self._load_kwargs.get("revision")
+
+    @property
+    def image_processor(self):
+        """The processor's image processor (None where the model has no processor)."""
+        return getattr(self.processor, "image_processor", None)
+
+    @property
+    def feature_extractor(self):
+        """The processor's feature extractor (audio models; None where there is none)."""
+        return getattr(self.processor, "feature_extractor", None)
+
     @_module_first
     def pipeline(self):
         """The Hugging Face pipeline of the model's task (text-generation unless loaded with

@@ -1,7 +1,8 @@
 """A LanguageModel's invokes made one batch for the forward (tokenizing itself: prompts.py).
 
     LanguageInputs          the mixin LanguageModel takes these from:
-      _prepare_inputs         one invoke's prompt as ``((), {"input_ids", ...}, rows)``
+      _prepare_inputs         one invoke's prompt as ``((), {"input_ids", ...}, rows)`` (chat
+                              messages through the tokenizer's template: chats.py)
       _batch_inputs           the invokes' rows padded to one length and stacked, the ids
                               checked against the vocabulary, moved to the embedding's device
       _input_embedding        the model's input embedding, remembered while the path holds
@@ -32,6 +33,7 @@ import weakref
 import torch
 
 from . import prompts
+from .chats import CHAT_KWARGS, as_chats, chat_ids
 from .processors import MEDIA_KWARGS, processed
 
 
@@ -40,10 +42,15 @@ class LanguageInputs:
 
     def _prepare_inputs(self, *args, **kwargs):
         """One invoke's prompt as ``((), {"input_ids", "attention_mask", ...}, rows)``; given
-        media keywords (``images=``...), the processor's encoding of the prompt and media."""
+        media keywords (``images=``...), the processor's encoding of the prompt and media;
+        chat messages become their template's token ids (chats.py)."""
         if kwargs and not MEDIA_KWARGS.isdisjoint(kwargs):
             args, kwargs = processed(self.__dict__.get("_processor"), args, kwargs,
                                      prompts.TOKENIZER_KWARGS)
+        elif len(args) == 1 and (chats := as_chats(args[0])) is not None:
+            opts = {k: kwargs.pop(k) for k in list(kwargs)
+                    if k in prompts.TOKENIZER_KWARGS or k in CHAT_KWARGS}
+            args = (chat_ids(self.tokenizer, chats, opts),)
         return prompts.prepare(self.tokenizer, args, kwargs)
 
     def _batch_inputs(self, prepared: list):
