@@ -84,7 +84,7 @@ class Mediator:
     __slots__ = ("interleaver", "index", "batch", "scope", "run_fn", "greenlet", "parent", "done",
                  "pending", "pending_envoy", "cur_key", "cur_value", "replaced", "skip_value",
                  "tls", "iteration", "iter_depth", "loop_bounded", "shared", "snapshot", "assigned",
-                 "loop_ended", "waited", "iter_cut")
+                 "loop_ended", "waited", "iter_cut", "after_loop")
 
     inline = False  # True: the body runs in the user's own greenlet (nosource.py), never unwound
     # the errors for a value this body cannot have (messages.py)
@@ -119,6 +119,7 @@ class Mediator:
         # (slot, call, loop_bounded): what a step loop waited for when the forward ended it
         self.loop_ended = None
         self.iter_cut = None  # (slot, call) where the forward's end cut the innermost step loop
+        self.after_loop = False  # a step loop of this body has ended (its reads are at call 0)
         # (name, line): this body's last request was a wait for a name another invoke binds,
         # begun before the forward ran (every module that has run, ran while it waited)
         self.waited = None

@@ -265,6 +265,14 @@ def late_error(self: "Mediator", envoy, key):
                 "loop, at its step)" if not call else "") +
             ", or address the call you want with .next() or tracer.iter[k]."
         )
+    if not call and not self.iter_depth and self.after_loop:  # the first step, after a loop
+        return OutOfOrderError(
+            f"{self.label()} asked for {envoy._path}.{kind} (call 0) at {where}, after a step "
+            f"loop (tracer.iter[...] / tracer.all()) had run the model past that call{now}: "
+            "outside a step loop a read is at call 0, the first step, again. Read it inside "
+            "the loop, at the step you want (`if step == k:`), or in an empty `with "
+            "tracer.invoke():` block after this invoke (which reads from call 0 on)."
+        )
     return OutOfOrderError(
         f"{self.label()} asked for {what} at {where}, but {envoy._path} has already "
         f"run that call{now}. A body must read module values in the order the model "

@@ -147,6 +147,7 @@ def _iteration(med, steps, open_form=None, bounded=False):
                 "one per new token: max_new_tokens), or in a trace read the call directly.",
                 UserWarning, stacklevel=2)
         med.iteration, med.iter_depth, med.loop_bounded = prev
+        med.after_loop = med.after_loop or (done > 0 and not prev[1])
 
 
 _IDLE_STEPS = 10_000_000  # read-less steps in a row that end an open loop with an error (~1 s)

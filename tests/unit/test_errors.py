@@ -110,6 +110,42 @@ class TestOrderErrors:
         assert "the later module" not in str(info.value)
         assert _this_file_line(info.value, "back at call 0")
 
+    def test_another_module_read_after_a_step_loop(self, net, x8):
+        """A read of another module after a step loop (nnsight's iteration gotcha:
+        ``model.lm_head.output`` after ``for step in tracer.all():``) says the read is at call 0
+        again and that the loop ran past it, and shows the two fixes; it said only 'move this
+        line above the access to the later module', naming no call and no loop (nnsight 0.8.1:
+        "'model.lm_head.output.i0' was requested but the model already ran past it"). The empty
+        invoke it suggests reads the value a plain hook sees."""
+        model = NNsight(net)
+        with pytest.raises(OutOfOrderError, match=r"asked for model\.inp\.output \(call 0\) at "
+                           r".*test_errors\.py:\d+, after a step loop .*had run the model past "
+                           r"that call.*a read is at call 0.*`if step == k:`.*empty `with "
+                           r"tracer\.invoke\(\):`") as info:
+            with model.trace() as tracer:
+                with tracer.invoke(x8):
+                    for step in tracer.iter[0:2]:
+                        h = model.shared.output
+                    out = model.inp.output  # after the loop
+        assert _this_file_line(info.value, "after the loop")
+        with pytest.raises(OutOfOrderError, match="move this line above") as info:
+            with model.trace(x8):  # no loop: the plain message
+                h = model.shared.output.save()
+                i = model.inp.output
+        assert "step loop" not in str(info.value)
+        seen = []
+        handle = net.inp.register_forward_hook(lambda m, a, o: seen.append(o))
+        with torch.no_grad():
+            net(x8)
+        handle.remove()
+        with model.trace() as tracer:
+            with tracer.invoke(x8):
+                for step in tracer.iter[0:2]:
+                    h = model.shared.output
+            with tracer.invoke():
+                out = model.inp.output.save()
+        torch.testing.assert_close(out, seen[0])
+
     def test_module_that_never_runs(self, net, x8):
         model = NNsight(net)
         with pytest.raises(MissedModuleError, match=r"model\.unused\.output .*never ran") as info:
