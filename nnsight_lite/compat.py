@@ -134,7 +134,8 @@ class _Config:
     """
 
     def __init__(self):
-        full = os.environ.get("NNSIGHT_LITE_FULL_TRACEBACK", "") not in ("", "0")
+        full = any(os.environ.get(name, "") not in ("", "0")  # (NNSIGHT_DEBUG: nnsight's name)
+                   for name in ("NNSIGHT_LITE_FULL_TRACEBACK", "NNSIGHT_DEBUG"))
         self.APP = _Section(DEBUG=full, REMOTE_LOGGING=False, PYMOUNT=True, CROSS_INVOKER=True,
                             TRACE_CACHING=False, GLOBAL_TRACING=False)
         self.API = _Section(HOST="", SSL=True, APIKEY=None, FORMAT="json")

@@ -124,6 +124,25 @@ def test_config_fields_read_and_set():
         cfg.API.APIKEY = before
 
 
+@pytest.mark.parametrize("name", ["NNSIGHT_DEBUG", "NNSIGHT_LITE_FULL_TRACEBACK"])
+def test_config_debug_is_set_from_the_environment_at_import(name):
+    """nnsight's docs/errors/debug-mode.md: ``NNSIGHT_DEBUG=1 python script.py`` turns on
+    ``CONFIG.APP.DEBUG`` (nnsight 0.8.1 does); ``0`` or unset leaves it off. Found by the docs
+    hunt: only nnsight_lite's own variable was read."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import nnsight_lite; print(nnsight_lite.CONFIG.APP.DEBUG)"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NNSIGHT_DEBUG", "NNSIGHT_LITE_FULL_TRACEBACK")}
+    for value, want in (("1", "True"), ("0", "False"), (None, "False")):
+        run_env = dict(env) if value is None else {**env, name: value}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert out == want, (name, value, out)
+
+
 def test_config_debug_keeps_the_runtime_frames(model):
     cfg = nnsight_lite.CONFIG
     old = cfg.APP.DEBUG
