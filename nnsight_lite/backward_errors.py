@@ -130,12 +130,23 @@ def missed_error(t, where: str, inputs, last, loss=None) -> GradientError:
                "passes the operation that uses it, not in the order the tensors were made: "
                "read a leaf's .grad right after that of the operation's output, or read "
                "`param.grad` after the block")
+    elif on is False and (cut := _grad_cut()):
+        why = (f"{cut}, which cuts the loss's graph there. "
+               "Edit the value in place (`[:] = ...`) or build the replacement from it "
+               "(`output * 0`, `output + v`) so that gradients flow through it")
     else:
         why = ("the tensor is not part of this loss's graph, or its gradient was computed "
                "before it was asked for, with no later tensor read in between: check that the "
                "loss is computed from it, and read gradients in reverse execution order")
     return GradientError(f".grad of {_describe(t)} was read at {where}, but backprop never "
                          f"reached it: {why}.")
+
+
+def _grad_cut() -> str:
+    """What a body of the running trace replaced with a tensor that does not require grad
+    (Mediator.set records the first); "" where nothing was, or outside a trace."""
+    med = getattr(_getcurrent(), "mediator", None)
+    return getattr(med.interleaver, "grad_cut", "") if med is not None else ""
 
 
 def no_grad_trace() -> str:

@@ -58,6 +58,8 @@ class Interleaver:
     edits: tuple = ()
     #: replacements that changed a value's shape, noted on an error the forward raises after
     reshaped: "tuple | list" = ()
+    #: a body's replacement of a value that required grad with one that does not (for messages)
+    grad_cut: str = ""
     #: the values still being served while a body's ``envoy(x, hook=True)`` runs (hooked.py)
     calling: tuple = ()
     #: the first error a body raised into the forward (an ``except`` in the model may catch it)

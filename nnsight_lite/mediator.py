@@ -304,6 +304,12 @@ class Mediator:
         if value is not old and (value.__class__ is not _Tensor or old.__class__ is not _Tensor
                                  or not same_kind(value, old)):
             record_reshape(self, envoy, kind, old, value)  # noted on an error it may lead to
+        if old.__class__ is _Tensor and old.requires_grad and value.__class__ is _Tensor \
+                and not value.requires_grad and not self.interleaver.grad_cut:
+            # (a .grad read that backprop then never reaches names this: backward_errors.py)
+            self.interleaver.grad_cut = (f"{envoy._path}.{kind} was replaced by {self.label()} "
+                                         f"at {user_location()} with a tensor that does not "
+                                         "require grad")
         self.cur_value = value
         self.replaced = True
 

@@ -145,6 +145,43 @@ class TestGradErrors:
         msg = str(info.value)
         assert "tensor of shape (2, 3)" in msg and "tensor of shape (2, 6)" in msg
 
+    def test_a_replacement_that_cuts_the_graph_is_named(self, seq):
+        """nnsight's modification gotcha: `.output = torch.zeros_like(...)` on a later module,
+        then an earlier tensor's `.grad`: the error names the replacement (module path, invoke,
+        line) as what cut the graph, and says to edit in place; it said only "not part of this
+        loss's graph, or ... computed before it was asked for" (nnsight 0.8.1: "'<id>.grad.i0'
+        was requested but the model already ran past it"). The in-place form it suggests gives
+        torch's gradient (zeros past the zeroed layer)."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with pytest.raises(GradientError, match=r"never reached it: model\[2\]\.output was "
+                           r"replaced by invoke 0 at .*test_backward\.py:\d+ with a tensor that "
+                           r"does not require grad, which cuts the loss's graph there\. Edit the "
+                           r"value in place") as info:
+            with model.trace(x):
+                h = model[0].output
+                model[2].output = torch.zeros_like(model[2].output)  # the cut
+                with model.output.sum().backward():
+                    g = h.grad.save()
+        assert "the tensor is not part of" not in str(info.value)
+        with pytest.raises(GradientError, match="the tensor is not part of this loss's graph"):
+            with model.trace(x):  # no replacement: the general reason, as before
+                h = model[0].output
+                other = (torch.randn(2, 6, requires_grad=True) * 2).sum()
+                with other.backward():
+                    g = h.grad.save()
+        with model.trace(x):
+            h = model[0].output
+            model[2].output[:] = 0
+            with model.output.sum().backward():
+                g = h.grad.save()
+        h0 = seq[0](x)
+        h0.retain_grad()
+        h2 = seq[2](seq[1](h0)) * 0
+        seq[3](h2).sum().backward()
+        seq.zero_grad()
+        torch.testing.assert_close(g, h0.grad)
+
     def test_a_loss_that_is_not_a_scalar(self, seq):
         """``with out.backward():`` on a loss of several elements (a forgotten ``.sum()``)
         raises GradientError (a RuntimeError, as torch's is) naming the line and the loss's
