@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -57,7 +58,9 @@ class NNsight(Envoy):
     def __init__(self, module: torch.nn.Module, *, rename: dict | None = None,
                  envoys: dict | None = None):
         if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"NNsight wraps a torch.nn.Module, got {type(module).__name__}")
+            hint = (f"; {module!r} looks like a Hugging Face hub id or directory: load it with "
+                    f"LanguageModel({module!r})" if isinstance(module, (str, os.PathLike)) else "")
+            raise TypeError(f"NNsight wraps a torch.nn.Module, got {type(module).__name__}{hint}")
         reserved = frozenset(n for n in dir(type(self)) if not n.startswith("_"))
         super().__init__(module, "model", Tree(module, rename, envoys, reserved))
 

@@ -1084,3 +1084,15 @@ class TestUnsavedNames:
 
 def _notes(exc) -> list:
     return list(getattr(exc, "__notes__", []))
+
+
+def test_nnsight_of_a_hub_id_says_to_load_it_with_language_model():
+    """nnsight's docs/models/nnsight-base.md gotcha: ``NNsight("openai-community/gpt2")``
+    (nnsight 0.8.1: "'str' object has no attribute '__dict__'") names the class that loads
+    hub ids and directories; it said only "got str"."""
+    with pytest.raises(TypeError, match=r"got str; 'openai-community/gpt2' looks like a Hugging "
+                       r"Face hub id or directory: load it with LanguageModel\("
+                       r"'openai-community/gpt2'\)"):
+        NNsight("openai-community/gpt2")
+    with pytest.raises(TypeError, match=r"NNsight wraps a torch\.nn\.Module, got int$"):
+        NNsight(3)
