@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 
@@ -46,9 +47,13 @@ from .model import NNsight
 from .remote.hook import take_backend, wants_remote
 from .tracing import Tracer
 from .with_calls import _called_as_context
+from .workers import user_location
 
 # (a mask alone is no prompt; media go to the processor with the prompt, or are one)
 _PROMPT_KWARGS = frozenset({"input_ids", "inputs_embeds"}) | processors.MEDIA_KWARGS
+# generate's options, which the forward a trace runs takes and ignores (trace warns)
+_GENERATE_ONLY = frozenset({"max_new_tokens", "min_new_tokens", "do_sample", "num_beams",
+                            "num_return_sequences", "temperature", "top_k", "top_p", "streamer"})
 
 
 def _keywords_only(call: str, inputs: tuple, kwargs: dict) -> bool:
@@ -298,6 +303,11 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
         """
         if not (kwargs and wants_remote(kwargs)):  # remote: the weights stay on the server
             self.dispatch()
+        if gen := [k for k in kwargs if k in _GENERATE_ONLY]:  # (nnsight ignores them silently)
+            warnings.warn(
+                f"model.trace(..., {gen[0]}=...) at {user_location()} runs one forward, which "
+                f"ignores {', '.join(gen)}: to generate several tokens, use `with "
+                f"model.generate(prompt, {gen[0]}=...) as tracer:`", UserWarning, stacklevel=2)
         if not trace:
             args, kw, _ = self._batch_inputs([self._prepare_inputs(*inputs, **kwargs)])
             return self._run_forward(args, kw)

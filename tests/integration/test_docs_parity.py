@@ -84,3 +84,22 @@ def test_chat_messages_without_a_template_say_so(model_dirs, arch):
     with pytest.raises(InputError, match="has none: pass the conversation as text"):
         with model.trace(CHAT):
             model.output.save()
+
+
+def test_a_generate_option_given_to_trace_warns(model_dirs, hf, arch):
+    """docs/errors/symptom-index.md ("only one forward ran"): ``model.trace(prompt,
+    max_new_tokens=5)`` runs one forward, which ignores the option; nnsight 0.8.1 says nothing,
+    here a UserWarning names the option, the line and ``model.generate``. The forward is the
+    plain one, and a generate given the same option does not warn."""
+    model = load(model_dirs[arch], dispatch=True)
+    enc = model.tokenizer("the eiffel tower is in", return_tensors="pt")
+    with pytest.warns(UserWarning, match=r"model\.trace\(\.\.\., max_new_tokens=\.\.\.\) at .*"
+                      r"test_docs_parity\.py:\d+ runs one forward, which ignores "
+                      r"max_new_tokens, do_sample.*model\.generate\(prompt, max_new_tokens"):
+        with model.trace("the eiffel tower is in", max_new_tokens=5, do_sample=False):
+            logits = model.output.logits.save()
+    torch.testing.assert_close(logits, hf(**enc).logits)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with model.generate("the eiffel tower is in", max_new_tokens=2, do_sample=False):
+            pass
