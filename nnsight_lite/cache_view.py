@@ -256,9 +256,7 @@ class CacheView(Mapping):
 
     def __getattr__(self, name: str):
         if name == "_cache":  # nnsight re-attaches a loaded view with `view._cache.model = model`
-            raise AttributeError(
-                "a CacheView has no `_cache`: re-attach the model to a loaded view with "
-                "`view._root = model`")
+            return _Attach(self)
         if name.startswith("_"):
             raise AttributeError(name)
         return _Node(self, self._need_root(), None).__getattr__(name, from_root=True)
@@ -305,6 +303,24 @@ class CacheView(Mapping):
         self._include_inputs = state["_include_inputs"]
         for name in self._records:  # (its entries reach their subtrees through it again)
             self._give(name)
+
+
+class _Attach:
+    """``view._cache``: nnsight's name for what holds the view's model, so that its idiom
+    ``view._cache.model = model`` re-attaches a loaded view (as ``view._root = model`` does)."""
+
+    __slots__ = ("_view",)
+
+    def __init__(self, view: CacheView):
+        self._view = view
+
+    @property
+    def model(self) -> "Envoy | None":
+        return self._view._root
+
+    @model.setter
+    def model(self, model: "Envoy | None") -> None:
+        self._view._root = model
 
 
 __all__ = ["CacheView", "Entry"]

@@ -447,6 +447,21 @@ class TestNavigation:
         with pytest.raises(AttributeError, match="loaded without its model"):
             back.output
 
+    def test_loaded_view_reattached_as_nnsight_writes_it(self, seq):
+        """nnsight's cache docs re-attach a loaded view with ``view._cache.model = model``;
+        then navigation works again and gives the values plain hooks see."""
+        model = NNsight(seq)
+        x = torch.randn(2, 6)
+        with model.trace(x) as tracer:
+            cache = tracer.cache()
+        _, outs, _ = reached(seq, x)
+        back = pickle.loads(pickle.dumps(cache))
+        assert back._cache.model is None
+        back._cache.model = model
+        assert back._cache.model is model
+        assert_same(back[1].output, outs["1"][0])
+        assert_same(back.model[2].output, outs["2"][0])
+
 
 class TestErrors:
     def test_after_a_model_value_was_read(self, seq):
