@@ -66,6 +66,10 @@ class ModuleFirst:
             from .model import NNsight
 
             alone = d["_wrapped_alone"] = NNsight(d["_module"])
+            for name in ("_batch_size", "_batch"):  # an Envoy subclass's batching (nnsight's)
+                own = getattr(type(self), name, None)
+                if own is not None:
+                    alone.__dict__[name] = own.__get__(self)
         return alone
 
     @_module_first

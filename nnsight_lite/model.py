@@ -113,14 +113,40 @@ class NNsight(Envoy):
 
     def _prepare_inputs(self, *args, **kwargs):
         """One invoke's inputs as ``(args, kwargs, batch_size)``."""
-        return args, kwargs, batch_size_of(args, kwargs)
+        return args, kwargs, self._batch_size(*args, **kwargs)
 
     def _batch_inputs(self, prepared: list):
         """Several invokes' prepared inputs as one ``(args, kwargs, [sizes])``."""
+        sizes = [n for _, _, n in prepared]
+        if self._batch.__func__ is not NNsight._batch:  # (nnsight's extension point, overridden)
+            args, kwargs = self._batch([(a, k) for a, k, _ in prepared], self._module)
+            return args, kwargs, sizes
         if len(prepared) == 1:
-            args, kwargs, size = prepared[0]
-            return args, kwargs, [size]
-        return concat_inputs([(a, k) for a, k, _ in prepared], [n for _, _, n in prepared])
+            args, kwargs, _ = prepared[0]
+            return args, kwargs, sizes
+        return concat_inputs([(a, k) for a, k, _ in prepared], sizes)
+
+    def _batch_size(self, *args, **kwargs) -> int:
+        """nnsight's extension point: how many rows of the batch one invoke's inputs give
+        (here: the first dimension of its tensors). Override it with ``_batch`` for inputs
+        that are not tensors batched along dim 0."""
+        return batch_size_of(args, kwargs)
+
+    def _batch(self, invokes: list, fn) -> tuple:
+        """nnsight's extension point: the invokes' ``(inputs, kwargs)`` pairs combined into the
+        ``(args, kwargs)`` of one call of ``fn`` (here: tensors concatenated along dim 0).
+
+        Example::
+
+            class Padded(NNsight):          # invokes of different lengths, padded to one
+                def _batch_size(self, x):
+                    return x.shape[0]
+                def _batch(self, invokes, fn):
+                    n = max(x.shape[1] for (x,), _ in invokes)
+                    return (torch.cat([F.pad(x, (0, n - x.shape[1])) for (x,), _ in invokes]),), {}
+        """
+        args, kwargs, _ = concat_inputs(list(invokes), [self._batch_size(*a, **k) for a, k in invokes])
+        return args, kwargs
 
     def _run_forward(self, args: tuple, kwargs: dict):
         try:

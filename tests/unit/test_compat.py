@@ -333,3 +333,56 @@ def test_nnsight_module_paths_are_attributes_after_the_top_import():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+class _Ids(torch.nn.Module):
+    """Token ids (batch, time) -> embeddings -> logits: invokes may differ in length."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.out = torch.nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def _pad_batch(invokes, fn):
+    n = max(ids.shape[1] for (ids,), _ in invokes)
+    return (torch.cat([torch.nn.functional.pad(ids, (0, n - ids.shape[1]))
+                       for (ids,), _ in invokes]),), {}
+
+
+class _PaddedModel(NNsight):
+    def _batch_size(self, *inputs, **kwargs):
+        return inputs[0].shape[0] if inputs else 0
+
+    def _batch(self, invokes, fn):
+        return _pad_batch(invokes, fn)
+
+
+class _PaddedEnvoy(nnsight_lite.Envoy):
+    def _batch_size(self, *inputs, **kwargs):
+        return inputs[0].shape[0] if inputs else 0
+
+    def _batch(self, invokes, fn):
+        return _pad_batch(invokes, fn)
+
+
+@pytest.mark.parametrize("cls", [_PaddedModel, _PaddedEnvoy])
+def test_batch_size_and_batch_overrides_batch_the_invokes(cls):
+    """nnsight's documented extension point: a model (or Envoy) subclass that overrides
+    ``_batch_size`` and ``_batch`` batches its invokes its own way (here: ids of different
+    lengths, right-padded). Each invoke's rows equal the module on its own padded input."""
+    torch.manual_seed(0)
+    net = _Ids()
+    model = cls(net)
+    a_in, b_in = torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5], [6, 7]])
+    with model.trace() as tracer:
+        with tracer.invoke(a_in):
+            a = model.emb.output.save()
+        with tracer.invoke(b_in):
+            b = model.out.output.save()
+    torch.testing.assert_close(a, net.emb(a_in), rtol=0, atol=0)
+    padded = torch.nn.functional.pad(b_in, (0, 1))
+    torch.testing.assert_close(b, net(padded), rtol=0, atol=0)
