@@ -242,10 +242,15 @@ class Piper(Generator):
     """The tracer of ``with model.pipe(prompt, max_new_tokens=k) as tracer:`` (nnsight 0.8's
     traced pipeline): runs the model's Hugging Face text-generation pipeline end to end, which
     tokenizes, generates and decodes, with the block's body interleaved in every forward it
-    makes (a module's call ``i`` is generation step ``i``, as in a generate; a list of prompts
-    the pipeline runs one after another counts on across them). ``tracer.result`` (and
+    makes (a module's call ``i`` is generation step ``i``, as in a generate). Several prompts
+    go to the pipeline as one batch (``batch_size`` = their number, as nnsight 0.8.1 hands
+    them), so one generate runs over all of them; a ``batch_size=`` you give smaller than that
+    runs one generate per batch, and the steps count on across them. ``tracer.result`` (and
     ``model.generator.output``) is what the pipeline returned, ``[{"generated_text": ...}]``.
-    The body is the whole batch's: no invokes (the pipeline makes its own batches).
+
+    With no prompts in the call, the prompts come from invokes, as nnsight 0.8.1 takes them:
+    ``with model.pipe(max_new_tokens=k) as tracer:`` then ``with tracer.invoke(prompt):``
+    bodies, each of which sees its own rows of the batch (``tracer.barrier`` included).
     """
 
     _call_name = "model.pipe"
@@ -253,16 +258,39 @@ class Piper(Generator):
     def __init__(self, model: LanguageModel, inputs: tuple, kwargs: dict):
         super().__init__(model, (), {}, kwargs)
         self._pipe_inputs = inputs
+        self._prompts: list = []  # the invokes' (prompts, keywords), where the call gave none
 
     def _let_go(self) -> None:
         super()._let_go()
         self._pipe_inputs = ()
+        self._prompts = []
 
     def _run_attached(self, scope):
-        self._run_own_body(scope, 1, (), {})  # (the pipeline gets its own inputs: _forward)
+        if not self._pipe_inputs:
+            return super()._run_attached(scope)  # invokes: a trace's run, the pipeline as forward
+        x = self._pipe_inputs[0] if len(self._pipe_inputs) == 1 else None
+        rows = len(x) if _texts(x) else 1
+        self._run_own_body(scope, rows, (), {})  # (the pipeline gets its own inputs: _forward)
+
+    def _pipe_call(self) -> tuple[tuple, dict]:
+        """The pipeline's inputs and keywords: the call's, or the invokes' prompts (one string
+        alone, as nnsight passes it); several prompts with ``batch_size`` their number."""
+        call = dict(self._gen_kwargs)
+        inputs = self._pipe_inputs
+        if not inputs:
+            texts = []
+            for prompt, kwargs in self._prompts:
+                texts.extend([prompt] if isinstance(prompt, str) else prompt)
+                for k, v in kwargs.items():  # (the call's own keywords win, as in a generate)
+                    call.setdefault(k, v)
+            inputs = (texts[0] if len(texts) == 1 else texts,)
+        if len(inputs) == 1 and _texts(inputs[0]) and len(inputs[0]) > 1:
+            call.setdefault("batch_size", len(inputs[0]))
+        return inputs, call
 
     def _forward(self, inter, args: tuple, kwargs: dict):
-        out = self._model.pipeline(*self._pipe_inputs, **self._gen_kwargs)
+        inputs, call = self._pipe_call()
+        out = self._model.pipeline(*inputs, **call)
         inter.end_iterations()  # (as generate's: step loops end, the code after them runs)
         self._result = self._model._generator_module(out)
         return self._result
@@ -271,14 +299,31 @@ class Piper(Generator):
         return False  # (the pipeline takes a streamer= of the user's itself)
 
     def _one_run(self) -> bool:
-        # (several prompts: one generate each, so an open step loop runs on until a read
-        # finds no further call, not max_new_tokens steps)
-        inputs = self._pipe_inputs
-        return len(inputs) == 1 and isinstance(inputs[0], str)
+        # (prompts in several batches: one generate each, so an open step loop runs on until a
+        # read finds no further call, not max_new_tokens steps)
+        inputs, call = self._pipe_call()
+        if len(inputs) != 1:
+            return False
+        x = inputs[0]
+        return isinstance(x, str) or (_texts(x) and call.get("batch_size", 1) >= len(x))
 
     def invoke(self, *args, **kwargs):
-        raise InputError(
-            "model.pipe(...) takes its inputs in the call and runs the pipeline on them as it "
-            "batches them: its block has no invokes. Give the prompts to model.pipe(...), or "
-            "use model.generate(...) with invokes to give each prompt a body of its own")
+        if self._pipe_inputs:
+            raise InputError(
+                "model.pipe(...) was given its prompts in the call, so its block is their one "
+                "body: give the prompts to the invokes instead, in `with model.pipe(max_new_"
+                "tokens=k) as tracer:` (no prompt), or drop the invoke")
+        inv = super().invoke(*args, **kwargs)
+        if args or kwargs:
+            if len(args) != 1 or not (isinstance(args[0], str) or _texts(args[0])):
+                raise InputError(
+                    "an invoke of model.pipe(...) takes one text prompt (a string or a list of "
+                    f"strings), which the pipeline tokenizes; got {len(args)} positional "
+                    "input(s)" + (f" ({type(args[0]).__name__})" if len(args) == 1 else ""))
+            self._prompts.append((args[0], kwargs))
+        return inv
 
+
+def _texts(x) -> bool:
+    """Whether ``x`` is a non-empty list of strings (several prompts)."""
+    return isinstance(x, list) and bool(x) and all(isinstance(p, str) for p in x)

@@ -278,9 +278,9 @@ class Tracer(BodyContext):
                     inv._kwargs = _yield_to(call, inv, self._call_name)
         if not invokes:
             raise InputError(
-                f"model.trace() at {self._body.filename}:{self._body.lineno} was given no inputs "
-                "and its body opened no invoke, so there is nothing to run the model on; pass "
-                "inputs to model.trace(...) or open `with tracer.invoke(inputs):` blocks in it"
+                f"{self._made_by[:-5]}() at {self._body.filename}:{self._body.lineno} was given no "
+                "inputs and its body opened no invoke, so there is nothing to run the model on; "
+                f"pass inputs to {self._made_by} or open `with tracer.invoke(inputs):` blocks in it"
             )
         prepared = []
         given = []  # the invokes with inputs, in the order of `prepared`

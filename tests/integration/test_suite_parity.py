@@ -249,7 +249,9 @@ def test_pipe_as_a_block_traces_every_forward_of_the_pipeline(model_dirs, hf, ar
     pipeline; here it ran the pipeline, then raised TypeError at the with-statement): the body
     reads each step's logits as a hook on the plain pipeline sees them, an edit at every step
     changes the text as the same edit by a hook does, and ``tracer.result`` is the pipeline's
-    records. Invokes are refused with an error saying where prompts go."""
+    records. Several prompts run as one batch (``batch_size`` their number), as nnsight 0.8.1
+    hands them to the pipeline (here they ran one by one, 1 row a step, 6 steps for 2 prompts).
+    An invoke in a block given its prompts is refused with an error saying where prompts go."""
     import warnings as _warnings
 
     import transformers
@@ -291,7 +293,7 @@ def test_pipe_as_a_block_traces_every_forward_of_the_pipeline(model_dirs, hf, ar
         for got, ref in zip(logits, seen):
             torch.testing.assert_close(got, ref)
     assert hooked(True)[0] != hooked(False)[0]  # (the edit changed the text)
-    two = [PROMPT, "hello world"]  # (the pipeline generates for each in turn: 6 steps)
+    two = [PROMPT, "hello world"]  # (one batched generate: 3 steps of 2 rows)
     with model.pipe(two, **kw) as tracer:
         logits = nnsight_lite.save([])
         for step in tracer.all():
@@ -299,19 +301,77 @@ def test_pipe_as_a_block_traces_every_forward_of_the_pipeline(model_dirs, hf, ar
     seen = []
     handle = head.register_forward_hook(lambda m, i, o: seen.append(o[:, -1].clone()))
     try:
-        assert tracer.result == plain(two, **kw)
+        assert tracer.result == plain(two, batch_size=2, **kw)
     finally:
         handle.remove()
-    assert len(logits) == len(seen) == 6
+    assert len(logits) == len(seen) == 3 and logits[0].shape[0] == 2
     for got, ref in zip(logits, seen):
         torch.testing.assert_close(got, ref)
-    with pytest.raises(InputError, match=r"model\.pipe\(\.\.\.\) takes its inputs in the call"):
+    with pytest.raises(InputError, match=r"model\.pipe\(\.\.\.\) was given its prompts in the call"):
         with model.pipe(PROMPT, **kw) as tracer:
             with tracer.invoke(PROMPT):
                 pass
     with pytest.raises(InputError, match=r"model\.pipe runs here only"):
         with model.pipe(PROMPT, remote=True, **kw):
             pass
+
+
+def test_pipe_with_invokes_batches_their_prompts_as_nnsight_081(model_dirs, hf, arch):
+    """nnsight's barrier page: ``with model.pipe(max_new_tokens=3) as tracer:`` with a
+    ``tracer.invoke(prompt)`` per prompt (nnsight 0.8.1 runs the pipeline once over the invokes'
+    prompts, batch_size their number; here invokes raised InputError). Each invoke reads its own
+    row of the batch, a barrier hands invoke 0's embeddings to invoke 1, and the records equal
+    the plain pipeline's over both prompts with a hook making the same edit."""
+    import transformers
+
+    import nnsight_lite
+    from tests.integration.conftest import layers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
+        model = LanguageModel(model_dirs[arch])
+    kw = dict(max_new_tokens=3, do_sample=False)
+    donor, receiver = PROMPT, "_ _ _ _ _ _ _ _ _ _ _ _ _"
+    emb = hf.get_input_embeddings()
+    plain = transformers.pipeline("text-generation", model=hf, tokenizer=model.tokenizer)
+    with model.pipe(**kw) as tracer:
+        barrier = tracer.barrier(2)
+        with tracer.invoke(donor):
+            embeddings = (model.transformer.wte if arch == "gpt2"
+                          else model.model.embed_tokens).output
+            barrier()
+            mine = layers(model, arch)[-1].output.save()
+        with tracer.invoke(receiver):
+            barrier()
+            (model.transformer.wte if arch == "gpt2" else model.model.embed_tokens).output = \
+                embeddings
+            theirs = layers(model, arch)[-1].output.save()
+        with tracer.invoke():
+            result = tracer.result.save()
+    calls, seen = [], []
+
+    def transfer(m, i, o):
+        calls.append(1)
+        if len(calls) == 1:  # (the prompt's forward: step 0)
+            o = o.clone()
+            o[1] = o[0]
+            return o
+
+    hooks = [emb.register_forward_hook(transfer),
+             layers(hf, arch)[-1].register_forward_hook(
+                 lambda m, i, o: seen.append((o[0] if isinstance(o, tuple) else o).clone()))]
+    try:
+        want = plain([donor, receiver], batch_size=2, **kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert result == want and tracer.result == want
+    torch.testing.assert_close(mine, seen[0][:1])
+    torch.testing.assert_close(theirs, seen[0][1:])
+    with model.pipe(**kw) as tracer:  # (one invoke: its prompt alone, the pipeline's records)
+        with tracer.invoke(donor):
+            one = nnsight_lite.save(tracer.result)
+    assert one == plain(donor, **kw)
 
 
 def test_pipe_takes_remote_false_as_generate_does(model_dirs, hf, arch):
