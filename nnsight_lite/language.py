@@ -30,6 +30,7 @@ from the mask where the forward takes them) is language_inputs.py's.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import warnings
@@ -394,10 +395,16 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
     def _run_generate(self, args: tuple, kwargs: dict, gen: dict):
         """HF ``generate`` on the batched inputs (its defaults: the model's generation config)."""
         gen = dict(gen)
-        if gen.get("pad_token_id") is None:
+        given = gen.get("generation_config")
+        if gen.get("pad_token_id") is None and getattr(given, "pad_token_id", None) is None:
             config = getattr(self._module, "generation_config", None)
             if getattr(config, "pad_token_id", None) is None:
-                gen["pad_token_id"] = prompts._pad_id(self.tokenizer)
+                pad = prompts._pad_id(self.tokenizer)
+                if given is None:
+                    gen["pad_token_id"] = pad
+                else:  # (into a copy of the user's config: HF warns at a config plus keywords)
+                    gen["generation_config"] = given = copy.deepcopy(given)
+                    given.pad_token_id = pad
         kwargs = {**kwargs, **gen}  # (generate()'s attention_mask replaces the batch's)
         kwargs.pop("position_ids", None)  # generate makes its own from the attention mask
         return self._module.generate(*args, **kwargs)

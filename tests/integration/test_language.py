@@ -1384,6 +1384,34 @@ class TestGenerate:
         assert len(seen) == 5
         assert torch.equal(ids, hf.generate(**enc, generation_config=config))
 
+    def test_a_generation_config_without_pad_token_gets_no_hf_deprecation_warning(self, lm, hf):
+        """``generate(prompt, generation_config=cfg)`` (nnsight's generate page) where neither
+        ``cfg`` nor the model sets a pad token: the pad id went to HF generate as a keyword
+        beside the config, and HF warned "Passing `generation_config` together with
+        generation-related arguments=({'pad_token_id'}) is deprecated". It goes into a copy of
+        the config now: no warning, the user's config untouched, the ids HF gives."""
+        import logging
+
+        enc = lm.tokenizer(PROMPTS[0], return_tensors="pt")
+        assert lm._module.generation_config.pad_token_id is None  # (the case at hand)
+        config = transformers.GenerationConfig(max_new_tokens=3, do_sample=False)
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        hf_logger = logging.getLogger("transformers.generation.utils")
+        logging.Logger.warning_once.cache_clear()  # (HF says it once a process)
+        hf_logger.addHandler(handler)
+        try:
+            with lm.generate(PROMPTS[0], generation_config=config) as tracer:
+                ids = tracer.result.save()
+        finally:
+            hf_logger.removeHandler(handler)
+        assert not [r for r in records if "generation_config" in r.getMessage()]
+        assert config.pad_token_id is None
+        want = transformers.GenerationConfig(max_new_tokens=3, do_sample=False,
+                                             pad_token_id=lm.tokenizer.pad_token_id)
+        assert torch.equal(ids, hf.generate(**enc, generation_config=want))
+
     def test_eos_ends_open_loops_and_code_after_runs(self, lm, hf):
         """Generation stopped early by EOS ends tracer.all() / iter[:] loops; the code after
         the loop runs and reads model.generator.output."""
