@@ -109,7 +109,7 @@ class Tree:
             return
         if not isinstance(key, str) or not key.strip("."):
             raise TypeError(f"rename keys are module names, dotted paths or classes, got {key!r}")
-        if "." in key and not key.startswith(".") and "*" not in key:  # mounted on the root
+        if "." in key and not key.startswith("."):  # mounted on the root
             found = list(_match(modules[""], tuple(key.split(".")), ""))
             if found:
                 yield "", found[0]
@@ -120,7 +120,7 @@ class Tree:
             for path, module in modules.items():
                 for rel in _match(module, parts, path):
                     yield path, rel
-        elif "*" in key:  # mounted on the root
+        elif "*" in key:  # ("*" alone) mounted on the root
             found = list(_match(modules[""], tuple(key.split(".")), ""))
             if found:
                 yield "", found[0]

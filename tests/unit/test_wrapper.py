@@ -506,6 +506,18 @@ class TestReviewFindings:
                                              r"\(0, 1, 2\)"):
             NNsight(Top(), rename={"transformer.h.*": "block"})
 
+    @pytest.mark.parametrize("key", ["h.*", "*.mlp", "h.*.mlp"])
+    def test_a_star_key_below_the_root_resolves_there_and_refuses_several(self, key):
+        """A ``*`` key that names nothing from the root resolves below it, as a dotted key
+        does (nnsight 0.8.1: its rename page's `{"h.*": "block"}` raises on a stack of
+        blocks); here it bound nothing, silently. One match binds there."""
+        with pytest.raises(ValueError, match=r"matches 3 children of model.transformer.h "):
+            NNsight(Top(), rename={key: "block"})
+        model = NNsight(torch.nn.Sequential(Backbone(n=1)), rename={key: "only"})
+        where, want = {"h.*": (model[0], model[0].h[0]), "*.mlp": (model[0].h, model[0].h[0].mlp),
+                       "h.*.mlp": (model[0], model[0].h[0].mlp)}[key]
+        assert where.only is want
+
     def test_calling_an_envoy_with_hook_is_an_ordinary_call(self):
         top = Top()
         model = NNsight(top)
