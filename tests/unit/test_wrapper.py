@@ -426,6 +426,36 @@ class TestRename:
             outer = model[0].output.save()
         assert torch.equal(inner, layer.output(x)) and torch.equal(outer, layer(x))
 
+    def test_a_submodule_named_output_is_E_output_as_in_nnsight_081(self):
+        """nnsight 0.8.1 mounts a child that an Envoy property hides (BERT's ``layer.output``)
+        at ``E_output``; code written for it reads and edits the child there, in bodies and in
+        cache navigation (here it raised ModulePathError), and ``.output`` stays the module's."""
+        class Layer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.output = torch.nn.Linear(4, 4)
+                self.inputs = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                return self.output(self.inputs(x)) * 2
+
+        layer = Layer()
+        model = NNsight(torch.nn.Sequential(layer))
+        x = torch.randn(2, 4)
+        with model.trace(x) as tracer:
+            cache = tracer.cache()
+            model[0].E_inputs.output[:] = 0
+            inner = model[0].E_output.output.save()
+            outer = model[0].output.save()
+        with torch.no_grad():
+            want = layer.output(torch.zeros(2, 4))
+        torch.testing.assert_close(inner, want)
+        torch.testing.assert_close(outer, want * 2)
+        torch.testing.assert_close(cache[0].E_output.output, want)
+        assert model[0].E_output._module is layer.output
+        with pytest.raises(AttributeError, match="E_outptu"):
+            model[0].E_outptu
+
     def test_repr_shows_aliases(self):
         model = NNsight(Top(), rename={"transformer": "backbone", "transformer.h": "layers"})
         text = repr(model)
