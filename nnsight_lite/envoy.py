@@ -195,7 +195,8 @@ class Envoy(ModuleFirst, Containers):
             if med is not None:
                 med.interleaver.hold(self, name, env)
             return env
-        if name[:2] == "E_" and hasattr(Envoy, name[2:]) and child_module(module, name[2:]):
+        if name[:2] == "E_" and hasattr(Envoy, name[2:]) and not hasattr(module, name) and \
+                child_module(module, name[2:]) is not None:
             return self._sub(name[2:])  # (nnsight 0.8.1's name of a child an Envoy name hides)
         rel = d["_tree"].alias(d["_mpath"], name) if d["_tree"].aliases else None
         if rel is not None:  # a rename= alias: the very Envoy its real path gives
