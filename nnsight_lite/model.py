@@ -3,6 +3,7 @@
     NNsight(module)        the root Envoy, with .trace() .scan() and the module's own API
     _prepare_inputs        how one invoke's inputs become (args, kwargs, batch size)
     _batch_inputs          how several invokes' inputs become one batch (override per wrapper)
+    _batch_size, _batch    nnsight's extension points for the same (used where overridden)
     _run_forward           how the batch is run through the module
 """
 
