@@ -45,6 +45,7 @@ from .generation import Generator, _GeneratorEnvoy, _GeneratorOutput
 from .language_inputs import LanguageInputs
 from .lazy_weights import LazyWeights, _auto_class
 from .model import NNsight
+from .processors import ModelInfo
 from .remote.hook import take_backend, wants_remote
 from .tracing import Tracer
 from .with_calls import _called_as_context
@@ -75,7 +76,7 @@ def _keywords_only(call: str, inputs: tuple, kwargs: dict) -> bool:
     return True
 
 
-class LanguageModel(LazyWeights, LanguageInputs, NNsight):
+class LanguageModel(ModelInfo, LazyWeights, LanguageInputs, NNsight):
     """A Hugging Face causal LM with its tokenizer, traced with ``with model.trace(prompt):``.
 
     Example::
@@ -194,43 +195,10 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
         return self._tokenizer
 
     @property
-    def processor(self):
-        """The processor of a model loaded for a task that takes more than text
-        (``task="image-text-to-text"``) or given one (``processor=``); else None."""
-        return self.__dict__.get("_processor")
-
-    @property
-    def task(self) -> str:
-        """The pipeline task the model was loaded for (``task=``; ``"text-generation"`` by
-        default), as nnsight 0.8's ``model.task``."""
-        return self.__dict__.get("_task") or "text-generation"
-
-    @property
     def generator(self) -> Envoy:
         """``model.generator.output``: the ids ``generate`` returns, readable in its body once
         generation is over (after the body's step loop)."""
         return self._generator
-
-    @property
-    def repo_id(self) -> str | None:
-        """The directory or hub id the model was loaded from (a built model's ``name_or_path``),
-        as nnsight 0.8's ``model.repo_id``."""
-        return self._source or getattr(self._module, "name_or_path", None) or None
-
-    @property
-    def revision(self) -> str | None:
-        """The ``revision=`` the weights were loaded at (None: the default branch)."""
-        return self._load_kwargs.get("revision")
-
-    @property
-    def image_processor(self):
-        """The processor's image processor (None where the model has no processor)."""
-        return getattr(self.processor, "image_processor", None)
-
-    @property
-    def feature_extractor(self):
-        """The processor's feature extractor (audio models; None where there is none)."""
-        return getattr(self.processor, "feature_extractor", None)
 
     @_module_first
     def pipeline(self):
@@ -283,6 +251,9 @@ class LanguageModel(LazyWeights, LanguageInputs, NNsight):
     def __setattr__(self, name, value):
         if name == "tokenizer":
             self.__dict__["_tokenizer"] = prompts.with_pad_token(value)
+            return
+        if name == "processor":  # (media keywords go through it from now on)
+            self.__dict__["_processor"] = value
             return
         super().__setattr__(name, value)
 

@@ -5,6 +5,8 @@
     load_processor(source)  ``AutoProcessor.from_pretrained``, its tokenizer padding on the left
     processed(proc, ...)    an invoke's prompt and media keywords (``images=``, ``text=``...) as
                             the processor's encoding, for prompts.prepare to take as a dict prompt
+    ModelInfo               LanguageModel's task, processors, repo_id and revision (nnsight 0.8's
+                            attributes)
 
 ``TransformersModel(path, task="image-text-to-text")`` (nnsight 0.8's way; its older
 ``VisionLanguageModel`` is modeling/vlm.py's alias) loads the model with the task's auto class
@@ -103,4 +105,43 @@ def processed(proc, args: tuple, kwargs: dict, tokenizer_kwargs) -> "tuple[tuple
     return (dict(enc),), kwargs
 
 
-__all__ = ["MEDIA_KWARGS", "task_class", "takes_processor", "load_processor", "processed"]
+class ModelInfo:
+    """What a LanguageModel was loaded as, under nnsight 0.8's attribute names (a mixin: it
+    reads ``_task``, ``_processor``, ``_source``, ``_load_kwargs`` and ``_module``)."""
+
+    @property
+    def processor(self):
+        """The processor of a model loaded for a task that takes more than text
+        (``task="image-text-to-text"``) or given one (``processor=``); else None."""
+        return self.__dict__.get("_processor")
+
+    @property
+    def task(self) -> str:
+        """The pipeline task the model was loaded for (``task=``; ``"text-generation"`` by
+        default), as nnsight 0.8's ``model.task``."""
+        return self.__dict__.get("_task") or "text-generation"
+
+    @property
+    def repo_id(self) -> str | None:
+        """The directory or hub id the model was loaded from (a built model's ``name_or_path``),
+        as nnsight 0.8's ``model.repo_id``."""
+        return self._source or getattr(self._module, "name_or_path", None) or None
+
+    @property
+    def revision(self) -> str | None:
+        """The ``revision=`` the weights were loaded at (None: the default branch)."""
+        return self._load_kwargs.get("revision")
+
+    @property
+    def image_processor(self):
+        """The processor's image processor (None where the model has no processor)."""
+        return getattr(self.processor, "image_processor", None)
+
+    @property
+    def feature_extractor(self):
+        """The processor's feature extractor (audio models; None where there is none)."""
+        return getattr(self.processor, "feature_extractor", None)
+
+
+__all__ = ["MEDIA_KWARGS", "task_class", "takes_processor", "load_processor", "processed",
+           "ModelInfo"]

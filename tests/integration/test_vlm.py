@@ -228,6 +228,20 @@ def test_a_text_task_loads_its_auto_class(tmp_path):
     torch.testing.assert_close(h, seen[0], rtol=0, atol=0)
 
 
+def test_a_processor_set_on_a_model_loaded_without_one(llava_dir, plain):
+    """``model.processor = AutoProcessor...`` on a model loaded by class (``automodel=``, no
+    task) makes ``images=`` go through it (before: set on the HF module, and images= raised)."""
+    model = LanguageModel(llava_dir, automodel="AutoModelForImageTextToText")
+    assert model.processor is None
+    model.processor = plain[1]
+    img = _image(8)
+    with model.trace(PROMPT, images=[img]):
+        logits = model.output.logits.save()
+    ref, _ = _forward(plain, PROMPT, img)
+    torch.testing.assert_close(logits, ref, rtol=0, atol=0)
+    assert not hasattr(model._model, "processor")
+
+
 def test_a_dropped_image_text_model_is_freed(llava_dir):
     """The model, its HF module and the processor go when the user drops the wrapper, after a
     trace with an image (weakrefs, garbage collection off)."""
