@@ -290,17 +290,18 @@ def record_reshape(med, envoy, kind: str, old, new) -> None:
 
 def record_skip(med, envoy, value) -> None:
     """Called when ``med``'s body skips ``envoy`` with ``value`` as its output: a skipped module
-    mostly passes its input's shape on, so where ``value`` (or its first member) is a tensor of
-    another shape than the module's first input, keep a line saying so for note_reshaped."""
+    mostly passes its input's shape, dtype and device on, so where ``value`` (or its first
+    member) is a tensor that differs from the module's first input in any of them, keep a line
+    saying so for note_reshaped."""
     args, kwargs = med.cur_value
     first = args[0] if args else next(iter(kwargs.values()), None)
     out = value[0] if isinstance(value, (tuple, list)) and value else value
-    if not (isinstance(first, _TENSOR) and isinstance(out, _TENSOR)) or first.shape == out.shape:
+    if not (isinstance(first, _TENSOR) and isinstance(out, _TENSOR)) or same_kind(first, out):
         return
     _keep(med, f"nnsight_lite: this may come from a skipped module: {envoy._path}{_call(med)} "
-          f"was skipped by {med.label()} at {user_location()} with {_what(out)} as its output, "
-          f"where its input was {_what(first)}. Give .skip() a value of the shape the module "
-          "returns.")
+          f"was skipped by {med.label()} at {user_location()} with {_what(out, first)} as its "
+          f"output, where its input was {_what(first, out)}. Give .skip() a value of the shape, "
+          "dtype and device the module returns.")
 
 
 def _call(med) -> str:

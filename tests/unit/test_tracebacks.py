@@ -279,13 +279,39 @@ class TestWrongShapeReplacement:
         assert _notes(info.value) == [
             "nnsight_lite: this may come from a skipped module: model[1] was skipped by invoke 0 "
             f"at {__file__}:{line} with a tensor of shape (2, 3) as its output, where its input "
-            "was a tensor of shape (2, 8). Give .skip() a value of the shape the module returns."]
+            "was a tensor of shape (2, 8). Give .skip() a value of the shape, dtype and device "
+            "the module returns."]
         with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
             with model.trace(x):
                 model[0].output = torch.zeros(2, 5)
                 model[1].skip(torch.zeros(2, 5))  # the input's shape: not noted
         (note,) = _notes(info.value)
         assert "model[0].output was set" in note
+
+    def test_a_skip_with_a_value_of_another_dtype(self):
+        """A float64 skip value of the right shape: the next layer fails on dtypes and the note
+        names the skip and both dtypes (it had none: only shapes were compared); a value of
+        the module's own dtype works and equals a hook returning it."""
+        net = _net()
+        model = NNsight(net)
+        x = torch.randn(2, 4)
+        with pytest.raises(RuntimeError, match="dtype") as info:
+            with model.trace(x):
+                model[1].skip(torch.zeros(2, 8, dtype=torch.float64))
+        line = inspect.currentframe().f_lineno - 1
+        assert _notes(info.value) == [
+            "nnsight_lite: this may come from a skipped module: model[1] was skipped by invoke 0 "
+            f"at {__file__}:{line} with a float64 tensor of shape (2, 8) as its output, where "
+            "its input was a float32 tensor of shape (2, 8). Give .skip() a value of the shape, "
+            "dtype and device the module returns."]
+        with model.trace(x):
+            model[1].skip(torch.zeros(2, 8))
+            out = model.output.save()
+        handle = net[1].register_forward_hook(lambda m, a, o: torch.zeros(2, 8))
+        try:
+            torch.testing.assert_close(out, net(x))
+        finally:
+            handle.remove()
 
     def test_a_tuple_output_set_to_a_tensor_and_back(self):
         """An attention module returns ``(out, weights)`` and its caller unpacks it: setting its
