@@ -60,6 +60,11 @@ class Tracer(BodyContext):
 
     def __init__(self, model, args: tuple, kwargs: dict, *, scan: bool = False,
                  forward: dict | None = None):
+        if "tracer_cls" in kwargs or forward and "tracer_cls" in forward:
+            raise InputError(
+                "tracer_cls=... (nnsight's hook for a Tracer subclass of your own) is not "
+                "supported: nnsight_lite's tracer runs the block's body itself; put what the "
+                "subclass would add in the body, or in a function the body calls")
         self._model = model
         self._model_ref = weakref.ref(model)
         self._args = args

@@ -386,3 +386,17 @@ def test_batch_size_and_batch_overrides_batch_the_invokes(cls):
     torch.testing.assert_close(a, net.emb(a_in), rtol=0, atol=0)
     padded = torch.nn.functional.pad(b_in, (0, 1))
     torch.testing.assert_close(b, net(padded), rtol=0, atol=0)
+
+
+def test_tracer_cls_is_refused_with_what_to_do_instead(net):
+    """``model.trace(x, tracer_cls=MyTracer)`` (nnsight's extension hook) raises InputError
+    when the trace is made, saying it is not supported and what to do (it went on to the
+    forward and raised TypeError there); nothing is left on the model."""
+    model = nnsight_lite.NNsight(net)
+    x = torch.randn(2, 8)
+    with pytest.raises(nnsight_lite.InputError, match="tracer_cls=.*not supported"):
+        with model.trace(x, tracer_cls=object):
+            pass
+    with model.trace(x):
+        out = model.output.save()
+    torch.testing.assert_close(out, net(x))
