@@ -34,7 +34,7 @@ import torch
 
 from . import prompts
 from .chats import CHAT_KWARGS, as_chats, chat_ids
-from .processors import MEDIA_KWARGS, processed
+from .processors import MEDIA_KWARGS, processed, warn_misaligned_media
 
 
 class LanguageInputs:
@@ -57,6 +57,8 @@ class LanguageInputs:
         """Left-pad every invoke's rows to one length and stack them (one forward); check the
         ids against the vocabulary; move them to the input embedding's device."""
         emb = self._input_embedding()
+        if len(prepared) > 1:
+            warn_misaligned_media(prepared)
         args, kwargs, sizes = prompts.batch(prepared, self._tokenizer,
                                             getattr(emb, "num_embeddings", None),
                                             self._takes_position_ids())

@@ -5,6 +5,7 @@
     load_processor(source)  ``AutoProcessor.from_pretrained``, its tokenizer padding on the left
     processed(proc, ...)    an invoke's prompt and media keywords (``images=``, ``text=``...) as
                             the processor's encoding, for prompts.prepare to take as a dict prompt
+    warn_misaligned_media   warns where invokes' media rows would be split as if they were prompts
     ModelInfo               LanguageModel's task, processors, repo_id and revision (nnsight 0.8's
                             attributes)
 
@@ -105,6 +106,38 @@ def processed(proc, args: tuple, kwargs: dict, tokenizer_kwargs) -> "tuple[tuple
     return (dict(enc),), kwargs
 
 
+def warn_misaligned_media(prepared: list) -> None:
+    """Warn where several invokes' encodings hold a value with a row per image (or other
+    medium: ``pixel_values``, ``image_grid_thw``) whose rows add up to the batch's prompts
+    while some invoke has more or fewer of them than prompts: values computed from it row for
+    row (the vision tower's, the projector's) look batch-shaped, so each invoke would be served
+    rows that are not its own images, silently (where the counts do not add up, every invoke
+    gets them whole, as the README says)."""
+    sizes = [rows for _, _, rows in prepared]
+    total = sum(sizes)
+    for key, first in prepared[0][1].items():
+        if key in ("input_ids", "attention_mask") or getattr(first, "dim", None) is None \
+                or first.dim() == 0:
+            continue
+        counts = [kw[key].shape[0] if getattr(kw.get(key), "dim", None) and kw[key].dim() else None
+                  for _, kw, _ in prepared]
+        if None in counts or counts == sizes or sum(counts) != total:
+            continue
+        import warnings
+
+        from .workers import user_location
+
+        warnings.warn(
+            f"the invokes' {key!r} have {counts} rows (images) for {sizes} prompts (at "
+            f"{user_location()}): the {total} rows add up to the batch's {total} prompts, so "
+            "the values computed from them a row an image (the vision tower's and projector's "
+            "outputs) would be split among the invokes as if they were prompts, and an invoke's "
+            "share of them is not its own images. Read or edit those modules in a trace of one "
+            "invoke, or give every prompt one image; the language model's values are split "
+            "right.", UserWarning, stacklevel=2)
+        return
+
+
 class ModelInfo:
     """What a LanguageModel was loaded as, under nnsight 0.8's attribute names (a mixin: it
     reads ``_task``, ``_processor``, ``_source``, ``_load_kwargs`` and ``_module``)."""
@@ -144,4 +177,4 @@ class ModelInfo:
 
 
 __all__ = ["MEDIA_KWARGS", "task_class", "takes_processor", "load_processor", "processed",
-           "ModelInfo"]
+           "warn_misaligned_media", "ModelInfo"]

@@ -324,3 +324,35 @@ def test_invokes_of_a_multimodal_rope_model_get_their_own_positions():
     assert got_a.shape[1] == ref_b.shape[1] > n
     torch.testing.assert_close(got_a[:, -n:], ref_a, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_b, ref_b, rtol=1e-5, atol=1e-5)
+
+
+class TestMisalignedMedia:
+    """The vision tower and projector have a row an image. Where several invokes' images add
+    up to their prompts but one prompt has two images and another none, those values look
+    batch-shaped and each invoke would be served rows that are not its images: a warning says
+    so (found in review: the plain model's projector output for the first prompt has two rows,
+    its invoke was served one, and the second invoke was served the first's second image)."""
+
+    TWO = "<image><image>two"
+
+    def test_images_that_add_up_to_the_prompts_but_not_per_invoke_warn(self, model, plain):
+        a_img, b_img, c_img = _image(6), _image(7), _image(8)
+        _, seen = _forward(plain, self.TWO, [a_img, b_img], "model.multi_modal_projector")
+        with pytest.warns(UserWarning, match=r"'pixel_values' have \[2, 1\] rows \(images\) "
+                                             r"for \[1, 2\] prompts .*trace of one invoke"):
+            with model.trace() as tracer:
+                with tracer.invoke(self.TWO, images=[a_img, b_img]):
+                    a = model.model.multi_modal_projector.output.save()
+                with tracer.invoke(["<image>x", "y"], images=[c_img]):
+                    b = model.model.multi_modal_projector.output.save()
+        assert seen[0].shape[0] == 2 and a.shape[0] == 1  # (what the warning is about)
+        torch.testing.assert_close(b[0], seen[0][1], rtol=1e-5, atol=1e-5)
+
+    def test_one_image_a_prompt_does_not_warn(self, model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            with model.trace() as tracer:
+                with tracer.invoke(PROMPT, images=[_image(6)]):
+                    pass
+                with tracer.invoke([PROMPT, OTHER], images=[_image(7), _image(8)]):
+                    pass
