@@ -337,6 +337,9 @@ def concat_inputs(inputs: list[tuple[tuple, dict]], sizes: list[int] | None = No
         raise BatchingError(
             "invokes pass different keyword inputs: "
             + ", ".join(f"invoke {i}: {list(k)}" for i, k in enumerate(keys))
+            + "; they run as one batch, so give every invoke the same ones (an image-text "
+            "model: images= in every invoke or in none), or run those that differ in a trace "
+            "of their own"
         )
     args = tuple(
         _concat_one([a[j] for a, _ in inputs], f"positional input {j}") for j in range(n_args.pop())

@@ -191,6 +191,23 @@ class TestMistakes:
             out = lm.output.logits.save()
         assert out.shape[:2] == (1, 5)
 
+    def test_a_text_only_invoke_beside_an_image_invoke_says_what_to_do(self, model):
+        """A text-only invoke and an image invoke cannot be one batch: the error names the
+        keys that differ and says to give images to every invoke or trace apart (before: the
+        keys only); nothing is left behind."""
+        from nnsight_lite import BatchingError
+
+        with pytest.raises(BatchingError, match=r"invoke 0: \[\], invoke 1: \['pixel_values'\]"
+                                                r".*images= in every invoke or in none"):
+            with model.trace() as tracer:
+                with tracer.invoke("hello"):
+                    pass
+                with tracer.invoke(PROMPT, images=[_image(0)]):
+                    pass
+        with model.trace("hello"):
+            out = model.output.logits.save()
+        assert out.shape[0] == 1
+
     def test_a_peft_adapter_is_refused_at_once(self, llava_dir):
         """``peft=`` (nnsight 0.8's adapter keyword) says how to load the adapter yourself,
         when the model is made (before: passed to from_pretrained at the first trace)."""
