@@ -78,6 +78,7 @@ class DiffusionModel(NNsight):
 
     Example::
 
+        import nnsight_lite
         from nnsight_lite import DiffusionModel
 
         sd = DiffusionModel("path/to/stable-diffusion")
