@@ -5,6 +5,7 @@
     load_processor(source)  ``AutoProcessor.from_pretrained``, its tokenizer padding on the left
     processed(proc, ...)    an invoke's prompt and media keywords (``images=``, ``text=``...) as
                             the processor's encoding, for prompts.prepare to take as a dict prompt
+                            (chat messages through the processor's chat template)
     warn_misaligned_media   warns where invokes' media rows would be split as if they were prompts
     ModelInfo               LanguageModel's task, processors, repo_id and revision (nnsight 0.8's
                             attributes)
@@ -19,6 +20,7 @@ invokes' like any encoding passed in (``model.trace(model.processor(...))``).
 
 from __future__ import annotations
 
+from .chats import CHAT_KWARGS, as_chats
 from .errors import InputError
 
 #: An invoke's keywords that are the processor's input, not the forward's or generate's.
@@ -92,6 +94,9 @@ def processed(proc, args: tuple, kwargs: dict, tokenizer_kwargs) -> "tuple[tuple
             "(processor=AutoProcessor.from_pretrained(path))"
         )
     prompt = args[0] if args else text
+    if (chats := as_chats(prompt)) is not None:  # (chat messages: the processor's template)
+        prompt = _chat_texts(proc, chats, {k: kwargs.pop(k) for k in list(kwargs)
+                                           if k in CHAT_KWARGS})
     if prompt is not None and not isinstance(prompt, (str, list, tuple)):
         raise InputError(
             f"with media (images=, ...) the prompt goes to the processor as text: a string or a "
@@ -104,6 +109,28 @@ def processed(proc, args: tuple, kwargs: dict, tokenizer_kwargs) -> "tuple[tuple
         call.setdefault("padding", True)  # several prompts: one batch, padded on the left
     enc = proc(text=prompt, return_tensors="pt", **call)
     return (dict(enc),), kwargs
+
+
+def _chat_texts(proc, chats: list, options: dict):
+    """Each conversation as the text of the processor's chat template (the generation prompt
+    added unless it ends with an assistant message, as chats.py does for tokenizers and the
+    image-text-to-text pipeline does): one string, or a list of them for several."""
+    if getattr(proc, "chat_template", None) is None:
+        raise InputError(
+            f"a chat prompt (a list of messages) with media is turned into text by the "
+            f"processor's chat template, and this processor ({type(proc).__name__}) has none: "
+            "pass the prompt as text (with the model's image tokens), or set "
+            "model.processor.chat_template")
+    texts = []
+    for messages in chats:
+        kw = dict(options)
+        cont = kw.pop("continue_final_message", None)
+        if cont is None:
+            cont = messages[-1].get("role") == "assistant"
+        kw.setdefault("add_generation_prompt", not cont)
+        texts.append(proc.apply_chat_template(messages, tokenize=False,
+                                              continue_final_message=cont, **kw))
+    return texts[0] if len(texts) == 1 else texts
 
 
 def warn_misaligned_media(prepared: list) -> None:

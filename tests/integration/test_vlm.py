@@ -373,3 +373,34 @@ class TestMisalignedMedia:
                     pass
                 with tracer.invoke([PROMPT, OTHER], images=[_image(7), _image(8)]):
                     pass
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% for c in m['content'] %}"
+                 "{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}"
+                 "{% endfor %} | {% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_chat_messages_with_images_go_through_the_processor_s_template(llava_dir, plain):
+    """Chat messages given with ``images=`` are templated by the processor (the generation
+    prompt added, as the image-text-to-text pipeline does) and then processed with the images:
+    the plain model's logits on ``proc(text=proc.apply_chat_template(...), images=...)``.
+    Without a template the error says to set one or pass text. (Found in review: the messages
+    went to the processor as text, whose ValueError said only that text must be strings.)"""
+    hf, proc = plain
+    img = _image(9)
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+    model = TransformersModel(llava_dir, task="image-text-to-text")
+    with pytest.raises(InputError, match="processor's chat template.*has none.*"
+                                         "model.processor.chat_template"):
+        with model.trace(msgs, images=[img]):
+            pass
+    model.processor.chat_template = CHAT_TEMPLATE
+    with model.trace(msgs, images=[img]):
+        got = model.output.logits.save()
+    proc = transformers.AutoProcessor.from_pretrained(llava_dir)
+    proc.chat_template = CHAT_TEMPLATE
+    text = proc.apply_chat_template(msgs, add_generation_prompt=True)
+    assert text == "user: <image>hi | assistant:"
+    with torch.no_grad():
+        want = hf(**proc(text=text, images=[img], return_tensors="pt")).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
