@@ -16,6 +16,7 @@ as a copy, and ``write_back`` puts a body's in-place edits of it back.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from itertools import chain, repeat
 from typing import Any
 
@@ -48,7 +49,18 @@ class Tiles:
         self.factor = factor
 
 
-_TILED: list = []  # (base, spans, copy, its version) of the tiled copies served, newest last
+class _Served(threading.local):
+    """The tiled copies served on this thread and not yet written back, newest last, as
+    ``(base, spans, copy, its version)``: per thread, as traces on two threads interleave."""
+
+    def __init__(self):
+        self.copies = []
+
+    def __len__(self):
+        return len(self.copies)
+
+
+_TILED = _Served()
 
 
 def _expanded_rows(x, start: int, size: int, total: int, factors) -> "tuple | list | None":
@@ -76,20 +88,21 @@ def _expanded_rows(x, start: int, size: int, total: int, factors) -> "tuple | li
 def _rows_of_spans(x: torch.Tensor, spans: list) -> torch.Tensor:
     """The rows of ``x`` in ``spans``, as one tensor (a copy: kept in _TILED for write_back)."""
     copy = torch.cat([x[s:s + n] for s, n in spans], 0)
-    _TILED.append((x, spans, copy, copy._version))
+    _TILED.copies.append((x, spans, copy, copy._version))
     return copy
 
 
 def write_back(mark: int) -> None:
     """Copy what bodies edited in place in the tiled copies served since ``len(_TILED)`` was
     ``mark`` back into their blocks' rows, and forget them."""
-    for base, spans, copy, version in _TILED[mark:]:
+    served = _TILED.copies
+    for base, spans, copy, version in served[mark:]:
         if copy._version != version:
             at = 0
             for s, n in spans:
                 base[s:s + n].copy_(copy[at:at + n])
                 at += n
-    del _TILED[mark:]
+    del served[mark:]
 
 
 def narrow(value: Any, start: int, size: int, total: int, factors=()) -> Any:

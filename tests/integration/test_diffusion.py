@@ -305,3 +305,53 @@ def test_a_dropped_model_and_its_pipeline_are_freed(sd_dir):
             assert [r() for r in refs] == [None] * 3
     finally:
         gc.enable()
+
+
+def test_tiled_edits_of_traces_on_two_threads_are_each_written_back(sd_dir, plain):
+    """Two threads trace two DiffusionModels at once, each zeroing its dog's UNet rows in place
+    (a copy: batching.Tiles). Thread A's body edits and finishes while B's body still holds its
+    copy; B's edit must still be written back (before: the copies served were one list for the
+    process, so A's write-back dropped B's pending copy and B's edit was lost). Both images
+    equal the plain pipeline with a hook zeroing rows 1 and 3."""
+    import threading
+
+    models = [_load(sd_dir), _load(sd_dir)]
+    a_holds, b_holds, a_done = threading.Event(), threading.Event(), threading.Event()
+    results, errors = {}, []
+
+    def run(name, model, hold, wait_for, then_set):
+        try:
+            with model.generate(num_inference_steps=1, seed=0, **RUN) as tracer:
+                with tracer.invoke("a cat"):
+                    pass
+                with tracer.invoke("a dog"):
+                    x = model.unet.output[0]
+                    hold.set()
+                    assert wait_for.wait(30)
+                    x[:] = 0
+                with tracer.invoke():
+                    out = tracer.result.save()
+            results[name] = out.images
+        except BaseException as err:  # noqa: BLE001 - (reported below)
+            errors.append(err)
+        finally:
+            if then_set is not None:
+                then_set.set()
+            hold.set()
+
+    def start_b():
+        assert a_holds.wait(30)
+        run("b", models[1], b_holds, a_done, None)
+
+    ta = threading.Thread(target=run, args=("a", models[0], a_holds, b_holds, a_done))
+    tb = threading.Thread(target=start_b)
+    ta.start()
+    tb.start()
+    ta.join(60)
+    tb.join(60)
+    assert not errors, errors
+    want, _ = _plain_batch(plain, ["a cat", "a dog"], 0, _zero_rows([1, 3]),
+                           num_inference_steps=1)
+    assert (results["a"] == want.images).all()
+    assert (results["b"] == want.images).all()
+    assert not nnsight_lite.batching._TILED
