@@ -10,19 +10,19 @@ those are sliced (and, in a ``generate`` with beams or several returned sequence
 rows are the batch's expanded by that factor: each invoke's rows' beams). Views from ``narrow``
 share storage with the full tensor, so in-place edits made by a body land in the batch without
 copying; rows laid out in blocks (``Tiles``: a diffusion pipeline's guidance batch) are served
-as a copy, and ``write_back`` puts a body's in-place edits of it back.
+as a copy, and ``write_back`` puts a body's in-place edits of it back (tiles.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 from itertools import chain, repeat
 from typing import Any
 
 import torch
 
 from .errors import BatchingError
+from .tiles import Tiles, _rows_of_spans
 
 
 def _is_batch_tensor(x, total: int) -> bool:
@@ -33,34 +33,6 @@ def _is_batch_tensor(x, total: int) -> bool:
         return x.shape[0] == total
     except RuntimeError:  # a nested tensor (TransformerEncoder's fast path) has no sizes: it
         return False  # reaches every invoke whole, as any value not shaped by the batch
-
-
-class Tiles:
-    """A factor (in ``row_factors``) for values whose rows are ``count`` blocks one after
-    another, each the batch's rows expanded by ``factor``: classifier-free guidance's batch,
-    every prompt's unconditional rows and then every prompt's conditional ones. An invoke's
-    rows there are one span in each block, so it is served a copy of them, and what it edits
-    in place is written back into the blocks after its turn (write_back)."""
-
-    __slots__ = ("count", "factor")
-
-    def __init__(self, count: int, factor: int = 1):
-        self.count = count
-        self.factor = factor
-
-
-class _Served(threading.local):
-    """The tiled copies served on this thread and not yet written back, newest last, as
-    ``(base, spans, copy, its version)``: per thread, as traces on two threads interleave."""
-
-    def __init__(self):
-        self.copies = []
-
-    def __len__(self):
-        return len(self.copies)
-
-
-_TILED = _Served()
 
 
 def _expanded_rows(x, start: int, size: int, total: int, factors) -> "tuple | list | None":
@@ -83,26 +55,6 @@ def _expanded_rows(x, start: int, size: int, total: int, factors) -> "tuple | li
         elif n == total * f:
             return start * f, size * f
     return None
-
-
-def _rows_of_spans(x: torch.Tensor, spans: list) -> torch.Tensor:
-    """The rows of ``x`` in ``spans``, as one tensor (a copy: kept in _TILED for write_back)."""
-    copy = torch.cat([x[s:s + n] for s, n in spans], 0)
-    _TILED.copies.append((x, spans, copy, copy._version))
-    return copy
-
-
-def write_back(mark: int) -> None:
-    """Copy what bodies edited in place in the tiled copies served since ``len(_TILED)`` was
-    ``mark`` back into their blocks' rows, and forget them."""
-    served = _TILED.copies
-    for base, spans, copy, version in served[mark:]:
-        if copy._version != version:
-            at = 0
-            for s, n in spans:
-                base[s:s + n].copy_(copy[at:at + n])
-                at += n
-    del served[mark:]
 
 
 def narrow(value: Any, start: int, size: int, total: int, factors=()) -> Any:

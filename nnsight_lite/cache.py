@@ -277,7 +277,7 @@ class _Observer:
                     value = value[rows[0]:rows[0] + rows[1]]
                 elif self.factors:
                     grown = batching._expanded_rows(value, *rows, self.total, self.factors)
-                    if grown.__class__ is list:  # (spans in several blocks: batching.Tiles)
+                    if grown.__class__ is list:  # (spans in several blocks: tiles.Tiles)
                         value = torch.cat([value[s:s + n] for s, n in grown], 0)
                     elif grown is not None:
                         value = value[grown[0]:grown[0] + grown[1]]

@@ -19,7 +19,7 @@ Several invokes, each a prompt (or a list of them), run as one pipeline call on 
 prompts; each body gets its own prompts' rows of every value. With classifier-free guidance
 the denoiser's batch holds every prompt's unconditional rows, then every prompt's conditional
 ones, so there an invoke's rows are one span in each half: it is served a copy of them, and
-what it edits in place is written back (batching.Tiles).
+what it edits in place is written back (tiles.Tiles).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from .batching import Tiles
+from .tiles import Tiles
 from .errors import InputError
 from .model import NNsight
 from .tracing import Tracer

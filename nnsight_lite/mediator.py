@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import batching
+from . import batching, tiles
 from .errors import InferenceModeSwitchError, InputError, OutOfOrderError
 from .messages import after_skip_error, late_error, missed_error, no_body_error
 from .tracebacks import record_reshape, record_skip, same_kind
@@ -235,7 +235,7 @@ class Mediator:
         if b is None:
             view = full
         else:
-            mark = len(batching._TILED) if factors else 0  # (copies served: see write_back)
+            mark = len(tiles._TILED) if factors else 0  # (copies served: see write_back)
             view = batching.narrow(full, b[0], b[1], total, factors)
             if view.__class__ is not _Tensor:  # a narrowed copy of a container (or no
                 before = batching.entries(view)  # container: None)
@@ -246,8 +246,8 @@ class Mediator:
             req = self.resume(view, None, parent_state)
         finally:
             self.cur_key = None
-            if factors and b is not None and len(batching._TILED) > mark:
-                batching.write_back(mark)  # (before any merge: a replacement wins over them)
+            if factors and b is not None and len(tiles._TILED) > mark:
+                tiles.write_back(mark)  # (before any merge: a replacement wins over them)
         if self.replaced:
             new = self.cur_value
             full = new if b is None else batching.merge(full, new, b[0], b[1], total,

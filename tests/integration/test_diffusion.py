@@ -309,7 +309,7 @@ def test_a_dropped_model_and_its_pipeline_are_freed(sd_dir):
 
 def test_tiled_edits_of_traces_on_two_threads_are_each_written_back(sd_dir, plain):
     """Two threads trace two DiffusionModels at once, each zeroing its dog's UNet rows in place
-    (a copy: batching.Tiles). Thread A's body edits and finishes while B's body still holds its
+    (a copy: tiles.Tiles). Thread A's body edits and finishes while B's body still holds its
     copy; B's edit must still be written back (before: the copies served were one list for the
     process, so A's write-back dropped B's pending copy and B's edit was lost). Both images
     equal the plain pipeline with a hook zeroing rows 1 and 3."""
@@ -354,4 +354,4 @@ def test_tiled_edits_of_traces_on_two_threads_are_each_written_back(sd_dir, plai
                            num_inference_steps=1)
     assert (results["a"] == want.images).all()
     assert (results["b"] == want.images).all()
-    assert not nnsight_lite.batching._TILED
+    assert not nnsight_lite.tiles._TILED
