@@ -337,11 +337,18 @@ def _with_position_ids(kwargs: dict, position_ids: bool) -> dict:
     return kwargs
 
 
+#: Inputs with a value per token whatever their other dimensions (TAPAS' 3-D token types).
+_PER_TOKEN = frozenset({"token_type_ids", "mm_token_type_ids", "labels"})
+
+
 def _pad_per_token(name: str, value, ids: torch.Tensor, width: int, on: str):
-    """An invoke's other input padded like its ids where it has a value per token (its first
-    two dimensions are the ids': ``token_type_ids``, ``mm_token_type_ids``, ``labels``),
-    with 0 (``labels``: -100, which losses ignore); anything else as it is."""
-    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == ids.shape:
+    """An invoke's other input padded like its ids where it has a value per token (the ids'
+    shape, or a known per-token name whose first two dimensions are the ids': ``token_type_ids``,
+    ``mm_token_type_ids``, ``labels``), with 0 (``labels``: -100, which losses ignore); anything
+    else as it is (a 3-D input, such as audio features, whose second dimension only happens to
+    be the prompt's length is no per-token value)."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and (
+            value.shape == ids.shape or name in _PER_TOKEN and value.shape[:2] == ids.shape):
         return pad_to(value, width, -100 if name == "labels" else 0, on)
     return value
 

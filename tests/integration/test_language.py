@@ -1845,3 +1845,39 @@ def test_per_token_inputs_of_encodings_are_padded_with_the_ids(model_dirs):
     torch.testing.assert_close(short[:, -n:], ref_short, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(long, ref_long, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+
+
+def test_an_input_that_is_not_per_token_is_not_padded_like_the_ids(model_dirs):
+    """Only values with a value per token are padded with the ids: an invoke's other 3-D input
+    whose second dimension happens to equal its prompt's length (audio features of 128 mel
+    bins beside a 128-token prompt) reaches the forward as given, so each invoke gets the plain
+    model's logits on its own inputs. Before: it was padded along that dimension with zeros
+    (its first two dimensions matched the ids'), silently changing what the model saw."""
+    from nnsight_lite import LanguageModel
+
+    class WithFeatures(transformers.GPT2LMHeadModel):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                    features=None, **kwargs):
+            out = super().forward(input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids, **kwargs)
+            out.logits = out.logits + features.mean(1).sum(-1)[:, None, None]
+            return out
+
+    hf = WithFeatures.from_pretrained(model_dirs["gpt2"]).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(model_dirs["gpt2"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no pad token: eos is used
+        lm = LanguageModel(hf, tokenizer=tok)
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.tensor([[5, 6, 7]]), torch.tensor([[5, 6, 7, 8, 9, 10]])]
+    encs = [{"input_ids": i, "attention_mask": torch.ones_like(i),
+             "features": torch.rand(1, 3, 4, generator=gen) + 1} for i in ids]
+    with lm.trace() as tracer:
+        with tracer.invoke(encs[0]):
+            short = lm.output.logits.save()
+        with tracer.invoke(encs[1]):
+            long = lm.output.logits.save()
+    with torch.no_grad():
+        ref = [hf(**e).logits for e in encs]
+    torch.testing.assert_close(short[:, -3:], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(long, ref[1], rtol=1e-5, atol=1e-5)
