@@ -16,7 +16,7 @@ reproducible generators (one per image: ``seed``, ``seed + 1``, ...); a ``genera
 own wins over it. Requires ``diffusers`` (the ``diffusion`` extra).
 
 Several invokes, each a prompt (or a list of them), run as one pipeline call on all their
-prompts; each body gets its own prompts' rows of every value. With classifier-free guidance
+prompts; each body gets its own prompts' rows of every tensor. With classifier-free guidance
 the denoiser's batch holds every prompt's unconditional rows, then every prompt's conditional
 ones, so there an invoke's rows are one span in each half: it is served a copy of them, and
 what it edits in place is written back (tiles.Tiles).
