@@ -22,7 +22,7 @@ from bisect import insort
 
 import torch
 
-from . import batching
+from . import batching, tiles
 from .envoy import Envoy, save
 from .errors import CacheError, ModulePathError, OutsideTraceError
 from .mediator import _MISSING, INPUT, OUTPUT
@@ -278,7 +278,7 @@ class _Observer:
                 elif self.factors:
                     grown = batching._expanded_rows(value, *rows, self.total, self.factors)
                     if grown.__class__ is list:  # (spans in several blocks: tiles.Tiles)
-                        value = torch.cat([value[s:s + n] for s, n in grown], 0)
+                        value = tiles.gather(value, grown)
                     elif grown is not None:
                         value = value[grown[0]:grown[0] + grown[1]]
             if self.detach:

@@ -4,6 +4,7 @@ and Hugging Face pipelines take them (LanguageModel's helper; not exported from 
     CHAT_KWARGS              the keywords that shape a chat's template (not the forward's)
     as_chats(prompt)         the conversations in a prompt (one, or a list of them), or None
     chat_ids(tok, chats, kw) each conversation's token ids, from the tokenizer's chat template
+    template_options(m, kw)  the chat template's keywords for one conversation (also processors.py)
 
 A conversation is a list of messages, dicts with ``"role"`` and ``"content"``; a list of
 conversations is a batch, one row each. Each is templated as the text-generation pipeline does
@@ -37,6 +38,19 @@ def as_chats(prompt):
     return None
 
 
+def template_options(messages: list, options: dict) -> dict:
+    """``apply_chat_template``'s keywords for one conversation: ``options`` with the
+    conversation continued where it ends with an assistant message (``continue_final_message=``
+    decides where given), and the generation prompt added where it is not."""
+    kw = dict(options)
+    cont = kw.pop("continue_final_message", None)
+    if cont is None:
+        cont = messages[-1].get("role") == "assistant"
+    kw.setdefault("add_generation_prompt", not cont)
+    kw["continue_final_message"] = cont
+    return kw
+
+
 def chat_ids(tokenizer, chats: list, options: dict) -> list:
     """The token ids of each conversation (a list of lists of ints), through the tokenizer's
     chat template. ``options``: tokenizer options (``max_length``, ``truncation``) and
@@ -62,12 +76,7 @@ def chat_ids(tokenizer, chats: list, options: dict) -> list:
                     f"message {i} of a chat prompt is {type(m).__name__} "
                     f"{m!r:.60}; every message is a dict with 'role' and 'content'"
                 )
-        kw = dict(options)
-        cont = kw.pop("continue_final_message", None)
-        if cont is None:
-            cont = messages[-1]["role"] == "assistant"
-        kw.setdefault("add_generation_prompt", not cont)
         enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            continue_final_message=cont, **kw)
+                                            **template_options(messages, options))
         rows.append(list(enc["input_ids"]))
     return rows

@@ -33,6 +33,7 @@ import torch
 
 from .tiles import Tiles
 from .errors import InputError
+from .invoke_kwargs import _same
 from .model import NNsight
 from .tracing import Tracer
 from .with_calls import _called_as_context
@@ -183,9 +184,7 @@ class DiffusionModel(NNsight):
             if "prompt" in kwargs:
                 raise InputError("got a prompt both positionally and as prompt=...; pass one")
             kwargs = {"prompt": args[0], **kwargs}
-        prompt = kwargs.get("prompt")
-        rows = len(prompt) if isinstance(prompt, (list, tuple)) else 1
-        return (), kwargs, rows
+        return (), kwargs, _prompt_rows(kwargs.get("prompt"))
 
     def _batch_inputs(self, prepared: list):
         if len(prepared) == 1:
@@ -223,19 +222,14 @@ class DiffusionModel(NNsight):
 _UNSET = object()
 
 
+def _prompt_rows(prompt) -> int:
+    """How many prompts ``prompt`` is (a list or tuple of them, or one)."""
+    return len(prompt) if isinstance(prompt, (list, tuple)) else 1
+
+
 def _listed(prompt, rows: int) -> list:
     """An invoke's prompt (or negative prompt) as a list of its ``rows`` prompts."""
     return list(prompt) if isinstance(prompt, (list, tuple)) else [prompt] * rows
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
-            a.shape == b.shape and bool((a == b).all())
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - (values that cannot be compared are not the same)
-        return a is b
 
 
 def _default(pipe, name: str):
@@ -257,8 +251,7 @@ def _seeded(kwargs: dict, args: tuple) -> dict:
     if kwargs.get("generator") is not None or seed is None:
         return kwargs
     prompt = args[0] if args else kwargs.get("prompt")
-    images = (len(prompt) if isinstance(prompt, (list, tuple)) else 1) * \
-        int(kwargs.get("num_images_per_prompt") or 1)
+    images = _prompt_rows(prompt) * int(kwargs.get("num_images_per_prompt") or 1)
     gens = [torch.Generator().manual_seed(int(seed) + i) for i in range(images)]
     kwargs["generator"] = gens[0] if images == 1 else gens
     return kwargs

@@ -215,7 +215,7 @@ class LanguageModel(ModelInfo, LazyWeights, LanguageInputs, NNsight):
             if self.processor is not None:
                 parts["processor"] = self.processor
             made = d["_pipe"] = (self._module, pipeline(
-                d.get("_task") or "text-generation", model=self._module, **parts))
+                self.task, model=self._module, **parts))
         return made[1]
 
     @_module_first

@@ -20,7 +20,7 @@ invokes' like any encoding passed in (``model.trace(model.processor(...))``).
 
 from __future__ import annotations
 
-from .chats import CHAT_KWARGS, as_chats
+from .chats import CHAT_KWARGS, as_chats, template_options
 from .errors import InputError
 
 #: An invoke's keywords that are the processor's input, not the forward's or generate's.
@@ -39,18 +39,13 @@ def _task(task: str):
     return name, entry
 
 
-def task_class(task: str, config=None):
+def task_class(task: str):
     """The auto class ``task`` loads models with (``"text-classification"``:
-    ``AutoModelForSequenceClassification``); of several (speech recognition's), the first that
-    knows ``config``'s model type."""
+    ``AutoModelForSequenceClassification``); of several (speech recognition's), the first."""
     name, entry = _task(task)
     classes = entry.get("pt") or ()
     if not classes:
         raise ValueError(f"task={task!r} names no PyTorch model class in transformers")
-    if config is not None:
-        for cls in classes:
-            if type(config) in getattr(cls, "_model_mapping", {}):
-                return cls
     return classes[0]
 
 
@@ -121,15 +116,9 @@ def _chat_texts(proc, chats: list, options: dict):
             f"processor's chat template, and this processor ({type(proc).__name__}) has none: "
             "pass the prompt as text (with the model's image tokens), or set "
             "model.processor.chat_template")
-    texts = []
-    for messages in chats:
-        kw = dict(options)
-        cont = kw.pop("continue_final_message", None)
-        if cont is None:
-            cont = messages[-1].get("role") == "assistant"
-        kw.setdefault("add_generation_prompt", not cont)
-        texts.append(proc.apply_chat_template(messages, tokenize=False,
-                                              continue_final_message=cont, **kw))
+    texts = [proc.apply_chat_template(messages, tokenize=False,
+                                      **template_options(messages, options))
+             for messages in chats]
     return texts[0] if len(texts) == 1 else texts
 
 

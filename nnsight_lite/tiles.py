@@ -2,6 +2,7 @@
 
     Tiles(count, factor)    a row factor (batching.narrow): ``count`` blocks, each the batch's
                             rows expanded by ``factor`` (classifier-free guidance's batch)
+    gather(x, spans)        the rows of ``x`` in spans, as one tensor (cache.py keeps them)
     _rows_of_spans(x, ...)  an invoke's spans of such a tensor, as one copy (remembered)
     write_back(mark)        the copies' in-place edits put back into their blocks' rows
     _TILED                  the copies served on this thread and not yet written back
@@ -46,9 +47,14 @@ class _Served(threading.local):
 _TILED = _Served()
 
 
+def gather(x: torch.Tensor, spans: list) -> torch.Tensor:
+    """The rows of ``x`` in ``spans`` (``(start, size)`` pairs), as one tensor (a copy)."""
+    return torch.cat([x[s:s + n] for s, n in spans], 0)
+
+
 def _rows_of_spans(x: torch.Tensor, spans: list) -> torch.Tensor:
     """The rows of ``x`` in ``spans``, as one tensor (a copy: kept in _TILED for write_back)."""
-    copy = torch.cat([x[s:s + n] for s, n in spans], 0)
+    copy = gather(x, spans)
     _TILED.copies.append((x, spans, copy, copy._version))
     return copy
 
